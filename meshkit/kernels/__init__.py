@@ -1,0 +1,1 @@
+"""meshkit.kernels"""

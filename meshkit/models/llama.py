@@ -1,0 +1,229 @@
+"""A small Llama-style transformer with torchtitan's module names.
+
+Names follow torchtitan (``tok_embeddings``, ``layers.<i>.attention.wq``, ``feed_forward.w1``,
+``norm``, ``output``) so meshkit's automatic TP plan, stage split and FLOP counter treat it like
+any torchtitan-style model. Attention infers its local head count from the projected tensor
+(``view(B, T, -1, head_dim)``) so it runs unchanged when ``wq`` is column-sharded by TP.
+
+Example::
+
+    >>> import torch
+    >>> from meshkit.models import LlamaConfig, Transformer
+    >>> model = Transformer(LlamaConfig.tiny())
+    >>> model(torch.randint(0, 256, (2, 16))).shape
+    torch.Size([2, 16, 256])
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaConfig", "Transformer", "LlamaLM", "synthetic_tokens"]
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    """Tokens in the vocabulary."""
+    dim: int = 64
+    """Hidden size."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention); None means ``n_heads``."""
+    ffn_dim: int | None = None
+    """SwiGLU hidden size; None means the Llama rule (8/3 · dim rounded up to a multiple of 32)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    max_seq_len: int = 2048
+    """Longest sequence the model is meant for (used by FLOP counting and the planner)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_dim is None:
+            self.ffn_dim = 32 * ((8 * self.dim // 3 + 31) // 32)
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: `dim={self.dim}` must be divisible by `n_heads={self.n_heads}`.")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig: `n_heads={self.n_heads}` must be divisible by `n_kv_heads={self.n_kv_heads}`."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "LlamaConfig":
+        """The demo's and the tests' size: 4 layers, hidden 64, 4 heads (2 kv heads), vocab 256."""
+        return cls(**{"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, **overrides})
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for explicit ``positions`` (T,) or (B, T) -> (..., T, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout, as HF
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, H, D) by angles given as (T, D) or (B, T, D) cos/sin (HF rotate-half convention)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1: the local head count, which TP divides.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, nh, hd)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, nkv, hd)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        assert cfg.ffn_dim is not None
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only Llama: embeddings, ``n_layers`` blocks in ``layers`` (a ModuleDict), norm, LM head."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab). ``positions`` (T,) or (B, T) default to 0..T-1."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+class LlamaLM(L.LightningModule):
+    """Next-token prediction with :class:`Transformer`: the demo's and the tests' LightningModule.
+
+    Batches are ``{"input_ids": (B, T), "labels": (B, T)}`` or a (B, T+1) token tensor.
+    It has no ``configure_model``: meshkit's automatic path parallelizes it.
+    """
+
+    def __init__(self, config: LlamaConfig | None = None, lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        self.config = config or LlamaConfig.tiny()
+        self.save_hyperparameters({"config": asdict(self.config), "lr": lr, "weight_decay": weight_decay})
+        self.lr, self.weight_decay = lr, weight_decay
+        self.model = Transformer(self.config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):
+            inputs, labels = batch["input_ids"], batch["labels"]
+        else:
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("test_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+
+def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """A learnable synthetic corpus: (num_sequences, seq_len + 1) tokens of noisy arithmetic progressions."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab_size, (num_sequences, 1), generator=g)
+    step = torch.randint(1, 5, (num_sequences, 1), generator=g)
+    seq = (start + step * torch.arange(seq_len + 1)) % vocab_size
+    noise = torch.rand(seq.shape, generator=g) < 0.05
+    return torch.where(noise, torch.randint(0, vocab_size, seq.shape, generator=g), seq)
