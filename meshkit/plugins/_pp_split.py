@@ -1,0 +1,272 @@
+"""Stage split for layer-stack models: find the blocks, balance them, cut the model into stage copies.
+
+Private to :mod:`meshkit.plugins.pipeline`, which re-exports the public names.
+
+A stage is a deep copy of the whole model with the other stages' blocks deleted and the pieces it
+does not own (embedding on all but the first stage; final norm and head on all but the last) set to
+None, so every parameter keeps its full-model FQN (torchtitan's approach; ``layers.5.attention.wq.weight``
+is the same name at pp=1, 2 or 4, which is what lets a checkpoint move between pipeline sizes).
+A ModuleList of blocks becomes a ModuleDict keyed by the original indices for the same reason.
+
+The model's own forward usually does not skip None modules, so each stage gets a *stage forward*
+bound as its instance ``forward`` (:data:`STAGE_FORWARDS`): it takes the first stage's inputs (token
+ids) or the previous stage's hidden states and returns hidden states, or logits on the last stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Where a layer-stack model keeps its pieces (FQNs relative to the model)."""
+
+    blocks: str
+    """The ModuleList / ModuleDict of repeated blocks, e.g. "layers" or "model.layers"."""
+    block_names: tuple[str, ...]
+    """The blocks' keys in forward order ("0", "1", ...)."""
+    first: tuple[str, ...]
+    """Modules that run before the blocks and go to the first stage (embeddings)."""
+    last: tuple[str, ...]
+    """Modules that run after the blocks and go to the last stage (final norm, LM head)."""
+    family: str
+    """Which stage forward runs the pieces: a key of :data:`STAGE_FORWARDS`, or "native"."""
+
+
+# ---- stage forwards: (stage module, input) -> output; they skip the pieces set to None -----------------
+
+
+def _meshkit_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """meshkit ``Transformer``: tokens (B, T) or hidden (B, T, D) -> hidden (B, T, D) or logits (B, T, V).
+
+    Positions are 0..T-1 (the model's default); rotary angles are recomputed on every stage.
+    """
+    from meshkit.models.llama import rope_cos_sin
+
+    h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
+    cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.config.head_dim, self.config.rope_theta)
+    for layer in self.layers.values():
+        h = layer(h, cos, sin)
+    if self.norm is not None:
+        h = self.norm(h)
+    return self.output(h) if self.output is not None else h
+
+
+def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF ``*ForCausalLM`` (Llama family): input ids or hidden states -> hidden states or logits.
+
+    The causal mask and rotary embeddings are rebuilt on every stage from positions 0..T-1,
+    exactly as ``LlamaModel.forward`` builds them without padding or cache.
+    """
+    from transformers.masking_utils import create_causal_mask
+
+    inner = self.model
+    h = inner.embed_tokens(x) if inner.embed_tokens is not None else x  # (B, T, D)
+    pos = torch.arange(h.shape[1], device=h.device)[None]  # (1, T)
+    mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+    pos_emb = inner.rotary_emb(h, position_ids=pos)
+    for layer in inner.layers.values():
+        h = layer(h, attention_mask=mask, position_embeddings=pos_emb, position_ids=pos)
+    if inner.norm is not None:
+        h = inner.norm(h)
+    return self.lm_head(h) if self.lm_head is not None else h
+
+
+STAGE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
+    "meshkit": _meshkit_stage_forward,
+    "hf_causal_lm": _hf_stage_forward,
+}
+"""Stage forwards by model family. "native" (torchtitan-style models, whose forward already skips
+None modules, or a model defining ``pipeline_stage_forward``) keeps the model's own method."""
+
+
+# ---- finding the stack -----------------------------------------------------------------------------------
+
+
+def _same_class_children(module: nn.Module) -> bool:
+    kids = list(module.children())
+    return len(kids) >= 2 and len({type(k) for k in kids}) == 1
+
+
+def _block_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and _same_class_children(m)
+    ]
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def _unsplittable(model: nn.Module, why: str) -> ValueError:
+    found = [f"{n} ({len(list(m.children()))} × {type(next(m.children())).__name__})" for n, m in _block_containers(model)]
+    return ValueError(
+        f"pipeline: cannot split `model` ({type(model).__name__}) into stages: {why}. meshkit splits layer-stack "
+        "models; the model must expose (1) its repeated blocks as one nn.ModuleList or nn.ModuleDict of modules of one "
+        "class, each taking and returning the hidden states; (2) the embedding(s) before the blocks and the final norm "
+        "and LM head after them as attributes; (3) a forward that runs on any stage. Recognised layouts: meshkit's "
+        "Transformer; HF *ForCausalLM with model.embed_tokens / model.layers / model.norm / lm_head; torchtitan-style "
+        "tok_embeddings / layers / norm / output whose forward skips the ones set to None. Any other model can define "
+        "`pipeline_stage_forward(self, x)` next to torchtitan names. "
+        f"Block containers found: {found or 'none'}."
+    )
+
+
+def find_layer_stack(model: nn.Module) -> LayerStack:
+    """Locate the repeated blocks, the pre-block and the post-block modules of ``model``.
+
+    >>> from meshkit.models import LlamaConfig, Transformer
+    >>> find_layer_stack(Transformer(LlamaConfig.tiny())).first
+    ('tok_embeddings',)
+    """
+    from meshkit.models.llama import Transformer
+
+    if isinstance(model, Transformer):
+        blocks, first, last, family = "layers", ("tok_embeddings",), ("norm", "output"), "meshkit"
+    elif all(_has(model, p) for p in ("model.embed_tokens", "model.layers", "model.norm", "lm_head", "model.rotary_emb")):
+        blocks, first, last, family = "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "hf_causal_lm"
+        head, emb = model.get_submodule("lm_head"), model.get_submodule("model.embed_tokens")
+        if getattr(head, "weight", None) is not None and head.weight is getattr(emb, "weight", None):
+            raise ValueError(
+                f"pipeline: `model` ({type(model).__name__}) ties lm_head.weight to model.embed_tokens.weight, but the "
+                "embedding lives on the first stage and the head on the last. Build it with `tie_word_embeddings=False`."
+            )
+    elif all(_has(model, p) for p in ("tok_embeddings", "layers", "norm", "output")):
+        blocks, first, last, family = "layers", ("tok_embeddings",), ("norm", "output"), "native"
+    else:
+        raise _unsplittable(model, "its layout is not one meshkit knows")
+    container = model.get_submodule(blocks)
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _same_class_children(container):
+        raise _unsplittable(model, f"`{blocks}` is not a ModuleList/ModuleDict of at least 2 blocks of one class")
+    names = tuple(container.keys()) if isinstance(container, nn.ModuleDict) else tuple(str(i) for i in range(len(container)))
+    return LayerStack(blocks, names, first, last, family)
+
+
+# ---- cost model and balanced split -------------------------------------------------------------------------
+
+
+def _cost(module: nn.Module, cost: str) -> float:
+    if cost == "params":
+        return float(sum(p.numel() for p in module.parameters()))
+    if cost == "flops":
+        # Forward FLOPs per token of the matmuls, 2·(in·out) per Linear (attention scores are left out:
+        # they are equal per block, so they do not move a split). Embedding lookups cost nothing.
+        return float(sum(2 * m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear)))
+    raise ValueError(f"pipeline: `cost={cost!r}` must be 'params' or 'flops'.")
+
+
+def stack_costs(model: nn.Module, stack: LayerStack, cost: str = "params") -> tuple[list[float], float, float]:
+    """(per-block costs, first-stage extra, last-stage extra) under the cost model ``cost``."""
+    container = model.get_submodule(stack.blocks)
+    blocks = [_cost(container[n] if isinstance(container, nn.ModuleDict) else container[int(n)], cost) for n in stack.block_names]
+    first = sum(_cost(model.get_submodule(p), cost) for p in stack.first)
+    last = sum(_cost(model.get_submodule(p), cost) for p in stack.last)
+    return blocks, first, last
+
+
+def balanced_split_points(block_costs: list[float], num_stages: int, first_cost: float = 0.0, last_cost: float = 0.0) -> list[int]:
+    """Block indices where stages 1..S-1 start, minimising the costliest stage (each stage ≥ 1 block).
+
+    The first stage also pays ``first_cost`` (embeddings) and the last ``last_cost`` (norm + head), so
+    they get fewer blocks when those are heavy. Exact: dynamic programming over contiguous splits.
+
+    >>> balanced_split_points([1.0] * 8, 4, first_cost=2.0, last_cost=2.0)
+    [1, 4, 7]
+    """
+    n = len(block_costs)
+    if num_stages > n:
+        raise ValueError(
+            f"pipeline: the model has {n} blocks but the pipeline needs `num_stages={num_stages}` (pp × pp_virtual_stages) "
+            "stages of at least one block each. Lower pp or pp_virtual_stages, or use a deeper model."
+        )
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def load(s: int, i: int, j: int) -> float:  # stage s holds blocks i..j-1
+        return prefix[j] - prefix[i] + (first_cost if s == 0 else 0.0) + (last_cost if s == num_stages - 1 else 0.0)
+
+    inf = float("inf")
+    # best[s][j]: smallest max-load placing blocks 0..j-1 on stages 0..s-1; cut[s][j]: where stage s-1 starts.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                cand = max(best[s - 1][i], load(s - 1, i, j))
+                if cand < best[s][j] - 1e-9:
+                    best[s][j], cut[s][j] = cand, i
+    points, j = [], n
+    for s in range(num_stages, 1, -1):
+        j = cut[s][j]
+        points.append(j)
+    return sorted(points)
+
+
+def check_split_points(split_points: list[int], num_blocks: int, num_stages: int) -> list[int]:
+    """Validate user ``pp_split_points`` (block indices where stages 1..S-1 start)."""
+    pts = list(split_points)
+    ok = (
+        len(pts) == num_stages - 1
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in pts)
+        and all(0 < a < b for a, b in zip([0] + pts, pts + [num_blocks]))
+    )
+    if not ok:
+        raise ValueError(
+            f"pipeline: `pp_split_points={pts}` must be {num_stages - 1} strictly increasing block indices in "
+            f"1..{num_blocks - 1} (where stages 1..{num_stages - 1} start, every stage at least one block), for "
+            f"{num_blocks} blocks and {num_stages} stages; e.g. {balanced_split_points([1.0] * num_blocks, num_stages) if num_stages <= num_blocks else '[]'}."
+        )
+    return pts
+
+
+# ---- cutting the model -------------------------------------------------------------------------------------
+
+
+def _set_submodule(model: nn.Module, path: str, value: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, value)
+
+
+def build_stage_module(model: nn.Module, stack: LayerStack, stage: int, num_stages: int, split_points: list[int]) -> nn.Module:
+    """A copy of ``model`` holding only stage ``stage``'s blocks (and the embedding / head if first / last)."""
+    bounds = [0] + list(split_points) + [len(stack.block_names)]
+    keep = set(stack.block_names[bounds[stage] : bounds[stage + 1]])
+    # Deep-copy without the blocks this stage drops: temporarily detach the container.
+    container = model.get_submodule(stack.blocks)
+    _set_submodule(model, stack.blocks, None)
+    try:
+        module = copy.deepcopy(model)
+    finally:
+        _set_submodule(model, stack.blocks, container)
+    kept = nn.ModuleDict()
+    for name in stack.block_names:
+        if name in keep:
+            block = container[name] if isinstance(container, nn.ModuleDict) else container[int(name)]
+            kept[name] = copy.deepcopy(block)
+    _set_submodule(module, stack.blocks, kept)
+    if stage != 0:
+        for path in stack.first:
+            _set_submodule(module, path, None)
+    if stage != num_stages - 1:
+        for path in stack.last:
+            _set_submodule(module, path, None)
+    if stack.family in STAGE_FORWARDS:
+        module.forward = types.MethodType(STAGE_FORWARDS[stack.family], module)
+    elif hasattr(module, "pipeline_stage_forward"):
+        module.forward = module.pipeline_stage_forward
+    return module

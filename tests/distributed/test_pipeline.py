@@ -1,0 +1,134 @@
+"""Pipeline parallelism on gloo, world 4: every torch schedule matches one process.
+
+One ProcessPool(4) for the module. The reference is one process training the same model on the
+same batches (full batch, no micro-batches); the pipeline must reproduce its 5 losses within rtol
+1e-4 (fp32) and its parameters after the last step. SGD, so that equal parameters mean equal
+gradients (Adam's g/sqrt(v) would amplify rounding in near-zero gradients).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshkit.models import LlamaConfig, Transformer, synthetic_tokens
+from meshkit.plugins.pipeline import build_pipeline, causal_lm_loss, pipeline_eval, pipeline_step
+from tests.dist_pool import ProcessPool
+
+STEPS, BATCH, SEQ, LR = 5, 8, 16, 0.5
+CFG = dict(n_layers=8)
+
+SCHEDULE_CASES = [
+    ("gpipe", None),
+    ("1f1b", None),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("zbv_zero_bubble", 2),
+    ("dualpipev", 2),
+]
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(LlamaConfig.tiny(**CFG))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = synthetic_tokens(STEPS * BATCH, SEQ, 256, seed=1)
+    return [(d[:, :-1], d[:, 1:]) for d in data.split(BATCH)]
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor], float]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        loss = causal_lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        x, y = _batches()[0]
+        val = causal_lm_loss(model(x), y).item()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, val
+
+
+_MESH = None
+
+
+def _pp_mesh(world_size: int):
+    global _MESH
+    if _MESH is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH = init_device_mesh("cpu", (world_size,), mesh_dim_names=("pp",))
+    return _MESH["pp"]
+
+
+def _train(rank: int, world_size: int, schedule: str, v: int | None, timeline_dir: str) -> dict:
+    pipe = build_pipeline(
+        _model(), _pp_mesh(world_size), schedule=schedule, batch_size=BATCH, virtual_stages=v, timeline_dir=timeline_dir
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        losses.append(pipeline_step(pipe, x, y).item())
+        opt.step()
+        opt.zero_grad()
+    x, y = _batches()[0]
+    val = pipeline_eval(pipe, x, y).item()
+    return {
+        "losses": losses,
+        "val": val,
+        "state": {k: t.detach().clone() for k, t in pipe.state_dict().items()},
+        "stage_ids": pipe.stage_ids,
+        "microbatches": pipe.microbatches,
+    }
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ProcessPool(world_size=4) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _reference()
+
+
+@pytest.mark.parametrize("schedule,v", SCHEDULE_CASES)
+def test_schedule_matches_one_process(pool, reference, schedule, v):
+    ref_losses, ref_state, ref_val = reference
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pool.run(_train, schedule, v, tmp)
+        events = [json.loads(line) for r in range(4) for line in (Path(tmp) / f"pp_timeline_rank{r}.jsonl").read_text().splitlines()]
+    # Every rank reports the last stage's loss; it equals one process's full-batch loss.
+    for r in range(4):
+        torch.testing.assert_close(torch.tensor(out[r]["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+        assert out[r]["val"] == pytest.approx(ref_val, rel=1e-4)
+    # Stages partition the model: every parameter exactly once, under its full-model name.
+    merged: dict[str, torch.Tensor] = {}
+    for r in range(4):
+        assert not set(merged) & set(out[r]["state"])
+        merged.update(out[r]["state"])
+    assert set(merged) == set(ref_state)
+    for k, t in ref_state.items():
+        torch.testing.assert_close(merged[k], t, rtol=1e-4, atol=1e-5, msg=k)
+    # The timeline: every (stage, micro-batch) forwarded once and backwarded once per step.
+    m, stages = out[0]["microbatches"], 4 * (v or 1)
+    kinds = Counter(e["action"] for e in events)
+    assert kinds["F"] == STEPS * stages * m
+    assert kinds["B"] + kinds["I"] == STEPS * stages * m
+    assert kinds["W"] == kinds["I"]
+    if "zero_bubble" in schedule:
+        assert kinds["I"] > 0
+    assert {e["step"] for e in events} == set(range(STEPS))
+    assert all(e["end_ns"] >= e["start_ns"] and e["stage"] in out[e["rank"]]["stage_ids"] for e in events)
