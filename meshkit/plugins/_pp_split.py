@@ -223,7 +223,7 @@ def check_split_points(split_points: list[int], num_blocks: int, num_stages: int
     ok = (
         len(pts) == num_stages - 1
         and all(isinstance(p, int) and not isinstance(p, bool) for p in pts)
-        and all(0 < a < b for a, b in zip([0] + pts, pts + [num_blocks]))
+        and all(a < b for a, b in zip([0] + pts, pts + [num_blocks]))
     )
     if not ok:
         raise ValueError(
