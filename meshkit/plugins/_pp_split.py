@@ -242,13 +242,10 @@ def _set_submodule(model: nn.Module, path: str, value: nn.Module | None) -> None
     setattr(model.get_submodule(parent) if parent else model, name, value)
 
 
-def build_stage_module(model: nn.Module, stack: LayerStack, stage: int, num_stages: int, split_points: list[int]) -> nn.Module:
-    """A copy of ``model`` holding only stage ``stage``'s blocks (and the embedding / head if first / last)."""
-    bounds = [0] + list(split_points) + [len(stack.block_names)]
-    keep = set(stack.block_names[bounds[stage] : bounds[stage + 1]])
-    # Deep-copy without the blocks this stage drops: temporarily detach the container.
+def _cut(model: nn.Module, stack: LayerStack, keep: set[str], has_first: bool, has_last: bool) -> nn.Module:
+    """A deep copy of ``model`` with only the blocks in ``keep`` (a ModuleDict keyed by their original names)."""
     container = model.get_submodule(stack.blocks)
-    _set_submodule(model, stack.blocks, None)
+    _set_submodule(model, stack.blocks, None)  # deep-copy without the blocks, then copy only the kept ones
     try:
         module = copy.deepcopy(model)
     finally:
@@ -256,17 +253,75 @@ def build_stage_module(model: nn.Module, stack: LayerStack, stage: int, num_stag
     kept = nn.ModuleDict()
     for name in stack.block_names:
         if name in keep:
-            block = container[name] if isinstance(container, nn.ModuleDict) else container[int(name)]
-            kept[name] = copy.deepcopy(block)
+            kept[name] = copy.deepcopy(container[name] if isinstance(container, nn.ModuleDict) else container[int(name)])
     _set_submodule(module, stack.blocks, kept)
-    if stage != 0:
-        for path in stack.first:
-            _set_submodule(module, path, None)
-    if stage != num_stages - 1:
-        for path in stack.last:
-            _set_submodule(module, path, None)
+    for paths, owned in ((stack.first, has_first), (stack.last, has_last)):
+        if not owned:
+            for path in paths:
+                _set_submodule(module, path, None)
+    return module
+
+
+def _stage_blocks(stack: LayerStack, stage: int, split_points: list[int]) -> set[str]:
+    bounds = [0] + list(split_points) + [len(stack.block_names)]
+    return set(stack.block_names[bounds[stage] : bounds[stage + 1]])
+
+
+def _bind_stage_forward(module: nn.Module, stack: LayerStack) -> nn.Module:
     if stack.family in STAGE_FORWARDS:
         module.forward = types.MethodType(STAGE_FORWARDS[stack.family], module)
     elif hasattr(module, "pipeline_stage_forward"):
         module.forward = module.pipeline_stage_forward
     return module
+
+
+def build_stage_module(model: nn.Module, stack: LayerStack, stage: int, num_stages: int, split_points: list[int]) -> nn.Module:
+    """A copy of ``model`` holding only stage ``stage``'s blocks (and the embedding / head if first / last)."""
+    module = _cut(model, stack, _stage_blocks(stack, stage, split_points), stage == 0, stage == num_stages - 1)
+    return _bind_stage_forward(module, stack)
+
+
+def build_rank_module(
+    model: nn.Module, stack: LayerStack, stages: tuple[int, ...], num_stages: int, split_points: list[int]
+) -> nn.Module:
+    """One copy of ``model`` holding every block of ``stages`` (this rank's): the module a Lightning
+    strategy keeps in place of the model, so optimizers and checkpoints see full-model FQNs."""
+    keep = set().union(*(_stage_blocks(stack, s, split_points) for s in stages))
+    return _cut(model, stack, keep, 0 in stages, num_stages - 1 in stages)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    view = copy.copy(module)
+    for key, value in list(vars(view).items()):
+        if isinstance(value, dict):  # _modules, _parameters, _buffers, hook dicts: the view's own
+            setattr(view, key, type(value)(value) if type(value) is not dict else dict(value))
+    return view
+
+
+def stage_view(rank_module: nn.Module, stack: LayerStack, stage: int, num_stages: int, split_points: list[int]) -> nn.Module:
+    """Stage ``stage`` of a :func:`build_rank_module` module, sharing its blocks and parameters.
+
+    Only the modules on the paths to the blocks, embedding, norm and head are shallow-copied, so
+    TP or FSDP applied to the rank module's blocks is what the stage runs.
+    """
+    view = _shallow(rank_module)
+    copied = {"": view}
+
+    def parent_of(path: str) -> nn.Module:
+        parent, _, _ = path.rpartition(".")
+        parts = parent.split(".") if parent else []
+        for i in range(len(parts)):
+            prefix = ".".join(parts[: i + 1])
+            if prefix not in copied:
+                copied[prefix] = _shallow(getattr(copied[".".join(parts[:i])], parts[i]))
+                setattr(copied[".".join(parts[:i])], parts[i], copied[prefix])
+        return copied[parent]
+
+    container = rank_module.get_submodule(stack.blocks)
+    blocks = nn.ModuleDict({n: container[n] for n in stack.block_names if n in _stage_blocks(stack, stage, split_points)})
+    setattr(parent_of(stack.blocks), stack.blocks.rpartition(".")[2], blocks)
+    for paths, owned in ((stack.first, stage == 0), (stack.last, stage == num_stages - 1)):
+        if not owned:
+            for path in paths:
+                setattr(parent_of(path), path.rpartition(".")[2], None)
+    return _bind_stage_forward(view, stack)

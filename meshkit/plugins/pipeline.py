@@ -54,7 +54,9 @@ from meshkit.plugins._pp_split import (
     STAGE_FORWARDS,
     LayerStack,
     balanced_split_points,
+    build_rank_module,
     build_stage_module,
+    stage_view,
     check_split_points,
     find_layer_stack,
     stack_costs,
@@ -73,6 +75,7 @@ __all__ = [
     "build_pipeline",
     "causal_lm_loss",
     "find_layer_stack",
+    "make_pipeline",
     "pipeline_eval",
     "pipeline_step",
     "plan_split",
@@ -219,14 +222,41 @@ def build_pipeline(
     pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
     spec = schedule_spec(schedule)
     v = resolve_virtual_stages(schedule, virtual_stages)
-    m = resolve_microbatches(schedule, pp, batch_size, microbatches, v)
+    resolve_microbatches(schedule, pp, batch_size, microbatches, v)  # raise before copying the model
     num_stages = pp * v
     stage_ids = stage_ids_on_rank(pp_rank, pp, v, spec.placement)
-    modules = split_model(model, stage_ids, num_stages, split_points, cost)
-    points = plan_split(model, num_stages, split_points, cost)[1]
+    stack, points = plan_split(model, num_stages, split_points, cost)
+    modules = [build_stage_module(model, stack, s, num_stages, points) for s in stage_ids]
     if stage_transform is not None:
         modules = [stage_transform(mod, s) for mod, s in zip(modules, stage_ids)]
     dev = torch.device(device) if device is not None else next(model.parameters()).device
+    return make_pipeline(
+        modules, stage_ids, group, schedule=schedule, batch_size=batch_size, microbatches=microbatches,
+        virtual_stages=v, loss_fn=loss_fn, device=dev, timeline_dir=timeline_dir, split_points=points,
+    )
+
+
+def make_pipeline(
+    modules: list[nn.Module],
+    stage_ids: tuple[int, ...],
+    group: Any,
+    *,
+    schedule: str,
+    batch_size: int,
+    microbatches: int | None = None,
+    virtual_stages: int | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = causal_lm_loss,
+    device: torch.device | str = "cpu",
+    timeline_dir: str | os.PathLike | None = None,
+    split_points: list[int] | None = None,
+) -> Pipeline:
+    """Wrap already-built stage modules (this rank's, ``stage_ids``) in torch stages and a schedule."""
+    pp = dist.get_world_size(group)
+    spec = schedule_spec(schedule)
+    v = resolve_virtual_stages(schedule, virtual_stages)
+    m = resolve_microbatches(schedule, pp, batch_size, microbatches, v)
+    num_stages = pp * v
+    dev = torch.device(device)
     stages = [PipelineStage(mod, s, num_stages, dev, group=group) for mod, s in zip(modules, stage_ids)]
     recorder = TimelineRecorder(timeline_dir, dist.get_rank()) if timeline_dir is not None else None
     if recorder is not None:
@@ -234,9 +264,10 @@ def build_pipeline(
             recorder.attach(st)
     sched = spec.cls(stages if spec.multi_stage else stages[0], n_microbatches=m, loss_fn=loss_fn)
     return Pipeline(
-        schedule=sched, stages=stages, modules=modules, stage_ids=stage_ids, num_stages=num_stages,
-        split_points=points, microbatches=m, schedule_name=schedule.lower(), group=group,
-        last_stage_rank=stage_rank(num_stages - 1, pp, num_stages, spec.placement), loss_fn=loss_fn, recorder=recorder, device=dev,
+        schedule=sched, stages=stages, modules=list(modules), stage_ids=tuple(stage_ids), num_stages=num_stages,
+        split_points=list(split_points or []), microbatches=m, schedule_name=schedule.lower(), group=group,
+        last_stage_rank=stage_rank(num_stages - 1, pp, num_stages, spec.placement), loss_fn=loss_fn,
+        recorder=recorder, device=dev,
     )
 
 

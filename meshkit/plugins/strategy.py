@@ -35,6 +35,7 @@ from torch import nn
 from typing_extensions import override
 
 from meshkit.plugins import fsdp as _fsdp
+from meshkit.plugins._pp_lightning import PipelineHooks
 from meshkit.plugins.dims import ParallelDims, auto_tp
 from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan, model_shape
 
@@ -55,6 +56,8 @@ class Preset:
     """dp_replicate = num_nodes (HSDP across nodes)."""
     tp: bool = False
     """tp = the largest size within a node that divides the model's heads, kv heads and hidden size."""
+    pp: bool = False
+    """pp = 2 pipeline stages (pass ``pp=`` for more); see meshkit.plugins.pipeline."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -64,6 +67,12 @@ PRESETS: dict[str, Preset] = {
         Preset("hsdp", "HSDP: sharded within a node, replicated across nodes", replicate=True),
         Preset("tp", "Tensor parallel within a node (FSDP2 over whatever is left)", tp=True),
         Preset("hsdp_tp", "Tensor parallel within a node, HSDP over the rest", replicate=True, tp=True),
+        # Pipeline presets (meshkit.plugins._pp_lightning): pp "auto" = 2 stages.
+        Preset("pp", "Pipeline parallel (2 stages unless pp= is given), FSDP2 over the rest", pp=True),
+        Preset("tp_pp", "Tensor parallel within a node inside each pipeline stage", tp=True, pp=True),
+        Preset("hsdp_pp", "Pipeline stages, HSDP over each stage's replicas", replicate=True, pp=True),
+        Preset("hsdp_tp_pp", "Tensor parallel inside each pipeline stage, HSDP over the rest",
+               replicate=True, tp=True, pp=True),
     )
 }
 
@@ -94,7 +103,7 @@ def resolve_dims(
     per_node = world_size // num_nodes
     heads, kv_heads, hidden = model_shape(model) if model is not None else (None, None, None)
     out: dict[str, int] = {}
-    out["pp"] = 1 if sizes["pp"] == "auto" else int(sizes["pp"])
+    out["pp"] = (2 if preset.pp else 1) if sizes["pp"] == "auto" else int(sizes["pp"])
     out["cp"] = 1 if sizes["cp"] == "auto" else int(sizes["cp"])
     if sizes["dp_replicate"] == "auto":
         out["dp_replicate"] = num_nodes if preset.replicate else 1
@@ -140,6 +149,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); False = ZeRO-2.
         global_batch_size: if given, checked to be divisible by the data-parallel size.
         save_distributed_checkpoint: DCP-sharded checkpoints (default) or one consolidated file.
+        pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
+            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
 
     Example::
 
@@ -169,6 +180,11 @@ class NDParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: Optional[int] = None,
+        pp_virtual_stages: Optional[int] = None,
+        pp_split_points: Optional[list[int]] = None,
+        pp_timeline_dir: Optional[str] = None,
     ) -> None:
         if preset not in PRESETS:
             raise ValueError(
@@ -197,6 +213,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._global_batch_size = global_batch_size
         self._parallel_dims: Optional[ParallelDims] = None
+        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
+        self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
     @property
@@ -259,6 +277,8 @@ class NDParallelStrategy(ModelParallelStrategy):
     def parallelize(self, module: nn.Module) -> nn.Module:
         """The automatic path on ``module`` (in place): TP -> AC -> compile -> FSDP2."""
         dims = self.parallel_dims
+        if dims.pp_enabled:  # split into stages first, then TP / AC / FSDP per stage
+            return self._pipeline.parallelize(self, module)
         if dims.tp_enabled:
             plan = infer_tp_plan(
                 module,
@@ -288,13 +308,30 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline.active:  # the schedule runs forward and backward of every micro-batch
+            return self._pipeline.training_step(self.lightning_module, args[0])
         with self._loss_context():
             return super().training_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline.active:  # backward ran inside the schedule; its gradients land now
+            self._pipeline.backward()
+            return closure_loss
         with self._loss_context():
             return super().backward(closure_loss, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline.active:
+            return self._pipeline.eval_step(self.lightning_module, args[0], "val_loss")
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline.active:
+            return self._pipeline.eval_step(self.lightning_module, args[0], "test_loss")
+        return super().test_step(*args, **kwargs)
 
     @contextlib.contextmanager
     @override
@@ -318,6 +355,9 @@ class NDParallelStrategy(ModelParallelStrategy):
 
         def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: Union[int, float]) -> None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
+            if self._pipeline.active:  # the norm spans every pipeline stage
+                self._pipeline.clip(params, float(clip_val))
+                return
             _fsdp.clip_grad_norm_(params, float(clip_val))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]

@@ -132,3 +132,40 @@ def test_schedule_matches_one_process(pool, reference, schedule, v):
         assert kinds["I"] > 0
     assert {e["step"] for e in events} == set(range(STEPS))
     assert all(e["end_ns"] >= e["start_ns"] and e["stage"] in out[e["rank"]]["stage_ids"] for e in events)
+
+
+# ---- Lightning: NDParallelStrategy with pp > 1 (same pool) ---------------------------------------------------
+
+LIGHTNING_STEPS = 4
+
+# (id, strategy kwargs, model kind, trainer kwargs, expected degrees)
+LIGHTNING_CASES = [
+    ("pp_fsdp", dict(preset="pp"), "meshkit", {}, dict(pp=2, dp_shard=2, tp=1)),
+    ("pp4_clip", dict(preset="pp", dp_shard=1, pp=4, pp_schedule="gpipe"), "meshkit", dict(gradient_clip_val=0.05), dict(pp=4, dp_shard=1, tp=1)),
+    ("tp_pp", dict(preset="tp_pp"), "meshkit", {}, dict(pp=2, dp_shard=1, tp=2)),
+    ("hf_tp_pp", dict(preset="tp_pp", pp_schedule="gpipe"), "hf", {}, dict(pp=2, dp_shard=1, tp=2)),
+]
+
+
+def _lightning_fit(rank: int, world: int, strategy: dict, kind: str, kwargs: dict) -> dict:
+    import meshkit
+    from tests.distributed import training as T
+
+    return T.fit(rank, world, meshkit.NDParallelStrategy(**strategy), devices=4, steps=LIGHTNING_STEPS, kind=kind, **kwargs)
+
+
+@pytest.mark.parametrize("case", LIGHTNING_CASES, ids=[c[0] for c in LIGHTNING_CASES])
+def test_lightning_pipeline_matches_one_process(pool, case):
+    from tests.distributed import training as T
+
+    _, strategy, kind, trainer_kwargs, degrees = case
+    results = pool.run(_lightning_fit, strategy, kind, trainer_kwargs)
+    assert {k: results[0]["degrees"][k] for k in degrees} == degrees
+    clip = trainer_kwargs.get("gradient_clip_val")
+    want_losses, want_params = T.reference(kind, LIGHTNING_STEPS, results[0]["dp_size"], clip=clip)
+    # The logged loss is the same on every rank of a dp group (pp and tp ranks included): checked here.
+    torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:
+        merged.update(r["params"])
+    T.assert_params_close(merged, want_params)
