@@ -110,7 +110,8 @@ class PipelineHooks:
         if strategy._compile:
             _fsdp.apply_compile(blocks)
         self.views = [stage_view(rank_module, stack, s, self.num_stages, points) for s in self.stage_ids]
-        if dims.fsdp_enabled:
+        # Always FSDP under pp (a size-1 dp mesh included): Lightning's DCP checkpointing needs DTensor parameters.
+        if True:
             from torch.distributed.fsdp import fully_shard
 
             mp = _fsdp.mixed_precision_policy(getattr(strategy.precision_plugin, "precision", "32-true"))
@@ -221,3 +222,41 @@ def _find_model(lm: nn.Module) -> tuple[str, nn.Module]:
         f"NDParallelStrategy(pp>1): no direct child of {type(lm).__name__} is a layer-stack model meshkit can split. "
         + (" | ".join(errors) if errors else "It has no child modules.")
     )
+
+
+# ---- checkpoints: optimizer state keyed by parameter FQN, so any pp (or none) can load it -----------------
+
+
+def flat_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """DCP optimizer state with ``flatten_optimizer_state_dict=True``: every entry, param-group settings
+    included, keyed by the parameter's FQN, so ranks holding different stages save disjoint keys and
+    a checkpoint saved at one pp size loads at another (torchtitan does the same)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+    return get_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), options=opts)
+
+
+def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dict[str, Any]:
+    """Lightning's sharded-checkpoint load with flattened optimizer states (see :func:`flat_optimizer_state`)."""
+    from pathlib import Path
+
+    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(strategy.broadcast(path))
+    module = strategy.model
+    model_state = {"state_dict": get_model_state_dict(module)}
+    _distributed_checkpoint_load(model_state, path)
+    module.load_state_dict(model_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+    for idx, optimizer in enumerate(strategy.optimizers):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optim_state = {f"optimizer_{idx}": flat_optimizer_state(module, optimizer)}
+        _distributed_checkpoint_load(optim_state, path)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[f"optimizer_{idx}"], options=opts)
+    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

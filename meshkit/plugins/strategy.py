@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
@@ -25,6 +26,7 @@ from typing import Any, Generator, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -35,7 +37,7 @@ from torch import nn
 from typing_extensions import override
 
 from meshkit.plugins import fsdp as _fsdp
-from meshkit.plugins._pp_lightning import PipelineHooks
+from meshkit.plugins._pp_lightning import PipelineHooks, flat_optimizer_state, load_sharded_checkpoint
 from meshkit.plugins.dims import ParallelDims, auto_tp
 from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan, model_shape
 
@@ -366,7 +368,17 @@ class NDParallelStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         # Never unpickle arbitrary objects from a checkpoint's metadata.
-        return super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        weights_only = True if weights_only is None else weights_only
+        if self._save_distributed_checkpoint and _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
+            # optimizer states keyed by parameter FQN: loads at any pp / layout (meshkit.plugins._pp_lightning)
+            return load_sharded_checkpoint(self, checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._save_distributed_checkpoint:  # FQN-keyed, so pipeline stages' states do not collide
+            return flat_optimizer_state(self.model, optimizer)
+        return super().optimizer_state(optimizer)
 
 
 def _is_parallelized(module: nn.Module) -> bool:

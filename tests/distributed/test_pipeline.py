@@ -169,3 +169,71 @@ def test_lightning_pipeline_matches_one_process(pool, case):
     for r in results:
         merged.update(r["params"])
     T.assert_params_close(merged, want_params)
+
+
+# ---- checkpoints: saved at pp=2, resumed at pp=4 and pp=1 -----------------------------------------------------
+
+
+def _ckpt_trainer(rank: int, strategy: dict, **kwargs):
+    import lightning as L
+
+    import meshkit
+    from tests.distributed import training as T
+
+    T.launcher_env(rank, 4)
+    return L.Trainer(
+        accelerator="cpu", devices=4, strategy=meshkit.NDParallelStrategy(**strategy), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs,
+    )
+
+
+def _save_pp2(rank: int, world: int, path: str) -> dict:
+    from torch.utils.data import DataLoader
+
+    from tests.distributed import training as T
+
+    module = T.build_module("meshkit")
+    trainer = _ckpt_trainer(rank, dict(preset="pp", pp=2, dp_shard=2), max_steps=3)
+    trainer.fit(module, DataLoader(T.tokens(3 * T.PER_RANK_BATCH * 2), batch_size=T.PER_RANK_BATCH))
+    trainer.save_checkpoint(path)
+    return {"params": T.full_params(module)}
+
+
+def _load(rank: int, world: int, strategy: dict, path: str) -> dict:
+    from torch.utils.data import DataLoader
+
+    from tests.distributed import training as T
+
+    module = T.build_module("meshkit", seed=123)  # a different init: everything must come from the checkpoint
+    trainer = _ckpt_trainer(rank, strategy, max_steps=3)  # already reached: restore only
+    trainer.fit(module, DataLoader(T.tokens(16), batch_size=T.PER_RANK_BATCH), ckpt_path=path)
+    return {"params": T.full_params(module), "global_step": trainer.global_step,
+            "degrees": trainer.strategy.parallel_dims.degrees}
+
+
+def _merged(results: list[dict]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r["params"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2_checkpoint(pool, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("pp_ckpt") / "pp2.ckpt")
+    return path, _merged(pool.run(_save_pp2, path))
+
+
+@pytest.mark.parametrize(
+    "strategy,pp",
+    [(dict(preset="pp", pp=4, dp_shard=1, pp_schedule="gpipe"), 4), (dict(preset="fsdp2", dp_shard=4), 1)],
+    ids=["pp4", "pp1"],
+)
+def test_checkpoint_from_pp2_resumes_at_other_pp(pool, pp2_checkpoint, strategy, pp):
+    path, saved = pp2_checkpoint
+    loaded = pool.run(_load, strategy, path)
+    assert loaded[0]["degrees"]["pp"] == pp and loaded[0]["global_step"] == 3
+    got = _merged(loaded)
+    assert got.keys() == saved.keys() and len(saved) == 2 + 4 * 9 + 1  # embedding, 4 blocks × 9, norm + head
+    for name, tensor in saved.items():
+        assert torch.equal(got[name], tensor), name
