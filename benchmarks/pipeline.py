@@ -3,7 +3,7 @@
     python benchmarks/pipeline.py                 # p=4, m in (8, 16), all schedules
     python benchmarks/pipeline.py --schedules gpipe 1f1b --microbatches 8 --steps 3
 
-Spawns ``--pp`` gloo processes (one thread each). The model is a stack of identical MLP blocks
+Spawns ``--pp`` gloo processes (one thread each). The model is the same stack of ``--layers`` identical MLP blocks for every schedule
 (torchtitan-style names; embedding and head are identity-cost Linear layers counted in stage 0 and
 the last stage), split evenly with explicit split points so every stage costs the same. Each
 schedule runs ``--warmup`` + ``--steps`` steps with the pipeline timeline on
@@ -97,7 +97,10 @@ def _worker(rank: int, pp: int, init_file: str, args: argparse.Namespace, result
     group = dist.new_group(list(range(pp)))
     for schedule in args.schedules:
         v = 2 if SCHEDULES[schedule].multi_stage else 1
-        n_layers = 2 * pp * v
+        n_layers = args.layers  # the same model for every schedule: pp·v equal stages
+        if n_layers % (pp * v):
+            raise ValueError(f"--layers={n_layers} must be a multiple of pp·v = {pp * v} for equal stages.")
+        per_stage = n_layers // (pp * v)
         for m in args.microbatches:
             torch.manual_seed(0)
             model = BalancedStack(args.dim, n_layers)
@@ -107,7 +110,7 @@ def _worker(rank: int, pp: int, init_file: str, args: argparse.Namespace, result
             dist.broadcast_object_list(holder, src=0)
             pipe = build_pipeline(
                 model, group, schedule=schedule, batch_size=batch, microbatches=m, virtual_stages=v if v > 1 else None,
-                split_points=list(range(2, n_layers, 2)), loss_fn=_mse, timeline_dir=holder[0],
+                split_points=list(range(per_stage, n_layers, per_stage)), loss_fn=_mse, timeline_dir=holder[0],
             )
             opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
             x, y = torch.randn(batch, args.dim), torch.randn(batch, args.dim)
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=16, help="identical blocks (a multiple of pp·v)")
     ap.add_argument("--mb-rows", type=int, default=32, help="rows per micro-batch")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

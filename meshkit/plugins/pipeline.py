@@ -73,6 +73,7 @@ __all__ = [
     "TimelineRecorder",
     "balanced_split_points",
     "build_pipeline",
+    "build_rank_module",
     "causal_lm_loss",
     "find_layer_stack",
     "make_pipeline",
@@ -83,6 +84,7 @@ __all__ = [
     "resolve_microbatches",
     "resolve_virtual_stages",
     "split_model",
+    "stage_view",
     "stage_ids_on_rank",
     "theoretical_bubble",
 ]
@@ -211,12 +213,12 @@ def build_pipeline(
         stage_transform: applied to each stage module before it is wrapped (e.g. TP then FSDP).
         timeline_dir: where ``pp_timeline_rank{R}.jsonl`` is written; None records nothing.
 
-    Example (one rank, ``pp=1`` degenerate pipeline)::
+    Example (on every rank of a 4-rank gloo job; see tests/distributed/test_pipeline.py)::
 
-        >>> import torch, torch.distributed as dist
-        >>> from meshkit.models import LlamaConfig, Transformer
-        >>> # inside an initialised process group with a pp mesh of size pp:
-        >>> # pipe = build_pipeline(Transformer(LlamaConfig.tiny(n_layers=8)), mesh["pp"], schedule="gpipe", batch_size=8)
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+        pipe = build_pipeline(Transformer(LlamaConfig.tiny(n_layers=8)), mesh["pp"], schedule="gpipe", batch_size=8)
+        loss = pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])  # same value on every rank
     """
     group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
     pp, pp_rank = dist.get_world_size(group), dist.get_rank(group)
@@ -301,7 +303,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.in
 
 
 def _send_tensor(t: torch.Tensor, dst: int, group: Any) -> tuple[list[Any], torch.Tensor]:
-    """Send ``t`` (shape and dtype first, in a fixed 8-int header) to group rank ``dst``; returns the works."""
+    """Send ``t`` (shape and dtype first, in a fixed 8-int header) to group rank ``dst``; returns the
+    works and the sent tensor (kept alive until the works finish)."""
     header = torch.zeros(8, dtype=torch.int64, device=t.device)
     header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
     header[2 : 2 + t.dim()] = torch.tensor(t.shape)

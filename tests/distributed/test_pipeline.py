@@ -142,6 +142,7 @@ LIGHTNING_STEPS = 4
 LIGHTNING_CASES = [
     ("pp_fsdp", dict(preset="pp"), "meshkit", {}, dict(pp=2, dp_shard=2, tp=1)),
     ("pp4_clip", dict(preset="pp", dp_shard=1, pp=4, pp_schedule="gpipe"), "meshkit", dict(gradient_clip_val=0.05), dict(pp=4, dp_shard=1, tp=1)),
+    ("pp_accumulate", dict(preset="pp"), "meshkit", dict(accumulate_grad_batches=2), dict(pp=2, dp_shard=2, tp=1)),
     ("tp_pp", dict(preset="tp_pp"), "meshkit", {}, dict(pp=2, dp_shard=1, tp=2)),
     ("hf_tp_pp", dict(preset="tp_pp", pp_schedule="gpipe"), "hf", {}, dict(pp=2, dp_shard=1, tp=2)),
 ]
@@ -162,7 +163,8 @@ def test_lightning_pipeline_matches_one_process(pool, case):
     results = pool.run(_lightning_fit, strategy, kind, trainer_kwargs)
     assert {k: results[0]["degrees"][k] for k in degrees} == degrees
     clip = trainer_kwargs.get("gradient_clip_val")
-    want_losses, want_params = T.reference(kind, LIGHTNING_STEPS, results[0]["dp_size"], clip=clip)
+    want_losses, want_params = T.reference(kind, LIGHTNING_STEPS, results[0]["dp_size"], clip=clip,
+                                           accumulate=trainer_kwargs.get("accumulate_grad_batches", 1))
     # The logged loss is the same on every rank of a dp group (pp and tp ranks included): checked here.
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     merged: dict[str, torch.Tensor] = {}
