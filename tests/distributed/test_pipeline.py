@@ -241,3 +241,23 @@ def test_checkpoint_from_pp2_resumes_at_other_pp(pool, pp2_checkpoint, strategy,
     assert got.keys() == saved.keys() and len(saved) == 2 + 4 * 9 + 1  # embedding, 4 blocks × 9, norm + head
     for name, tensor in saved.items():
         assert torch.equal(got[name], tensor), name
+
+
+def _validate(rank: int, world: int) -> float:
+    from torch.utils.data import DataLoader
+
+    from tests.distributed import training as T
+
+    trainer = _ckpt_trainer(rank, dict(preset="pp", pp=2, dp_shard=2))
+    out = trainer.validate(T.build_module("meshkit"), DataLoader(T.tokens(8), batch_size=T.PER_RANK_BATCH), verbose=False)
+    return out[0]["val_loss"]
+
+
+def test_lightning_validation_is_forward_only_through_the_stages(pool):
+    from tests.distributed import training as T
+
+    got = pool.run(_validate)
+    # 8 sequences of equal length over dp=2 ranks, 2 per batch: the epoch's val_loss (mean of dp-synced batch
+    # means) is the token-mean cross-entropy over all 8 sequences in one process.
+    want = T.module_loss(T.build_module("meshkit"), T.tokens(8)).item()
+    assert got == pytest.approx([want] * 4, rel=1e-5)
