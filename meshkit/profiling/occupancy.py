@@ -43,6 +43,7 @@ __all__ = [
     "grid_waves",
     "kernel_occupancy",
     "resolve_arch",
+    "sweep_occupancy",
     "theoretical_occupancy",
     "configure_parser",
     "run_cli",
@@ -456,11 +457,12 @@ def kernel_occupancy(
     """Compile ``kernel`` for each arch and launch config on this machine and report its occupancy.
 
     Give the argument types as example ``args`` (tensors become pointers, ints ``i32``/``i64``, floats
-    ``fp32``) or as ``signature`` (``"X=*fp32,N=i32"`` or a dict), and the ``tl.constexpr`` values in
-    ``constexprs``. Configs are the product of ``num_warps`` x ``num_stages`` (defaults 4 and 3), or
-    ``configs`` (``triton.Config`` objects or dicts with ``num_warps``, ``num_stages`` and constexpr
-    values), or, for an ``@triton.autotune`` kernel given neither, its own configs. Results are cached
-    on disk (:mod:`meshkit.profiling.occupancy_compile`).
+    ``fp32``) or as ``signature`` (``"X=*fp32,N=i32"`` or a dict; ``"i32:16"`` marks a 16-divisible int as
+    Triton's launcher would), and the ``tl.constexpr`` values in ``constexprs``. Configs are the
+    product of ``num_warps`` x ``num_stages`` (defaults 4 and 3), or ``configs`` (``triton.Config``
+    objects or dicts with ``num_warps``, ``num_stages`` and constexpr values), or, for an
+    ``@triton.autotune`` kernel given neither, its own configs. Results are cached on disk
+    (:mod:`meshkit.profiling.occupancy_compile`). Reports come in arch-major order.
 
     >>> import triton, triton.language as tl
     >>> @triton.jit
@@ -472,17 +474,47 @@ def kernel_occupancy(
     >>> reps[0].occupancy.limiter  # doctest: +SKIP
     'warps'
     """
+    spec = {"kernel": kernel, "args": args, "signature": signature, "constexprs": constexprs, "configs": configs}
+    return sweep_occupancy([spec], num_warps=num_warps, num_stages=num_stages, archs=archs, grid=grid, gpus=gpus,
+                           cache_dir=cache_dir, progress=progress)
+
+
+def sweep_occupancy(
+    specs: Sequence[Mapping[str, Any]],
+    *,
+    num_warps: int | Sequence[int] | None = None,
+    num_stages: int | Sequence[int] | None = None,
+    archs: Sequence[str] = ("sm_80", "sm_90"),
+    grid: int | Sequence[int] | None = None,
+    gpus: Sequence[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> list[KernelReport]:
+    """:func:`kernel_occupancy` for many kernels in one worker pool (one progress bar).
+
+    Each spec is a dict with ``kernel`` and ``signature`` (or ``args``), optional ``constexprs`` and
+    ``configs`` — the shape of ``meshkit.kernels.builtin_kernel_specs()``.
+    """
     from meshkit.profiling import occupancy_compile as oc
 
-    specs = [resolve_arch(a) for a in archs]
-    if not specs:
+    arch_specs = [resolve_arch(a) for a in archs]
+    if not arch_specs:
         raise ValueError("archs=[] is empty: name at least one target, e.g. archs=['sm_90'].")
-    sig = oc.build_signature(kernel, args=args, signature=signature, constexprs=constexprs)
-    launch = oc.launch_configs(kernel, num_warps=num_warps, num_stages=num_stages, configs=configs)
-    measured = oc.compile_resources(kernel, sig, launch, [s.name for s in specs], cache_dir=cache_dir,
-                                    progress=progress)
+    if gpus is not None:
+        for g in gpus:
+            _gpu_arch(g)
+    entries = []
+    for spec in specs:
+        kernel = spec["kernel"]
+        sig = oc.build_signature(kernel, args=spec.get("args"), signature=spec.get("signature"),
+                                 constexprs=spec.get("constexprs"))
+        cfgs = spec.get("configs")
+        launch = oc.launch_configs(kernel, num_warps=None if cfgs is not None else num_warps,
+                                   num_stages=None if cfgs is not None else num_stages, configs=cfgs)
+        entries.append((kernel, sig, launch))
+    measured = oc.compile_many(entries, [s.name for s in arch_specs], cache_dir=cache_dir, progress=progress)
     reports = []
-    for res in measured:
+    for res in (r for per_kernel in measured for r in per_kernel):
         occ = theoretical_occupancy(res.arch, res.registers_per_thread, res.num_warps,
                                     res.static_shared_bytes + res.dynamic_shared_bytes)
         waves: tuple[GridWaves, ...] = ()
@@ -631,11 +663,7 @@ def _run(args: argparse.Namespace) -> list[KernelReport]:
     if args.builtin:
         if args.signature or args.constexpr:
             raise ValueError("--builtin takes each kernel's own signature; drop --signature/--constexpr.")
-        reports = []
-        for spec in _builtin_specs():
-            reports += kernel_occupancy(spec["kernel"], signature=spec["signature"],
-                                        constexprs=spec.get("constexprs", {}), **common)
-        return reports
+        return sweep_occupancy(_builtin_specs(), **common)
     _, kernel = load_kernel(args.target)
     if args.signature is None:
         raise ValueError("--signature is required for a named kernel, e.g. --signature 'X=*fp32,N=i32'.")

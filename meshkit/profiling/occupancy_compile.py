@@ -44,6 +44,7 @@ __all__ = [
     "KernelSignature",
     "LaunchConfig",
     "build_signature",
+    "compile_many",
     "compile_resources",
     "default_cache_dir",
     "launch_configs",
@@ -339,32 +340,41 @@ def compile_resources(kernel: Any, sig: KernelSignature, configs: Sequence[Launc
     Results come back in arch-major order. ``workers`` defaults to ``$MESHKIT_OCCUPANCY_WORKERS`` or
     ``min(2, cpu count)``.
     """
+    return compile_many([(kernel, sig, configs)], archs, cache_dir=cache_dir, progress=progress,
+                        workers=workers)[0]
+
+
+def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchConfig]]], archs: Sequence[str],
+                 *, cache_dir: str | os.PathLike | None = None, progress: bool = False,
+                 workers: int | None = None) -> list[list[KernelResources]]:
+    """:func:`compile_resources` for several kernels at once: one worker pool and one progress bar."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    ref = _kernel_ref(kernel)
-    kname = _kernel_name(kernel)
-    src_hash = _source_hash(kernel)
     tver = _triton_version()
-    jobs, results, keys = [], {}, {}
-    for arch in archs:
-        for cfg in configs:
-            consts = {**sig.constexprs, **cfg.constexprs}
-            job = {
-                "ref": ref, "kernel": kname, "arch": arch, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                "types": sig.types, "constexprs": {k: _jsonable(v) for k, v in consts.items()},
-                "divisible": list(sig.divisible),
-            }
-            key_src = json.dumps({**job, "ref": None, "source": src_hash, "triton": tver}, sort_keys=True)
-            key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
-            idx = len(keys)
-            keys[idx] = key
-            hit = cache / f"{key}.json"
-            if hit.is_file():
-                try:
-                    results[idx] = KernelResources(**{**json.loads(hit.read_text()), "cached": True})
-                    continue
-                except (ValueError, TypeError):
-                    pass  # unreadable entry: recompile
-            jobs.append({**job, "id": idx})
+    jobs, results, keys, slots = [], {}, {}, []
+    for kernel, sig, configs in entries:
+        ref, kname, src_hash = _kernel_ref(kernel), _kernel_name(kernel), _source_hash(kernel)
+        mine = []
+        for arch in archs:
+            for cfg in configs:
+                consts = {**sig.constexprs, **cfg.constexprs}
+                job = {
+                    "ref": ref, "kernel": kname, "arch": arch, "num_warps": cfg.num_warps,
+                    "num_stages": cfg.num_stages, "types": sig.types,
+                    "constexprs": {k: _jsonable(v) for k, v in consts.items()}, "divisible": list(sig.divisible),
+                }
+                key_src = json.dumps({**job, "ref": None, "source": src_hash, "triton": tver}, sort_keys=True)
+                idx = len(keys)
+                keys[idx] = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+                mine.append(idx)
+                hit = cache / f"{keys[idx]}.json"
+                if hit.is_file():
+                    try:
+                        results[idx] = KernelResources(**{**json.loads(hit.read_text()), "cached": True})
+                        continue
+                    except (ValueError, TypeError):
+                        pass  # unreadable entry: recompile
+                jobs.append({**job, "id": idx})
+        slots.append(mine)
     if jobs:
         for idx, res in _run_workers(jobs, progress, workers):
             results[idx] = res
@@ -372,7 +382,7 @@ def compile_resources(kernel: Any, sig: KernelSignature, configs: Sequence[Launc
             tmp = cache / f".{keys[idx]}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(asdict(res)))
             os.replace(tmp, cache / f"{keys[idx]}.json")
-    return [results[i] for i in range(len(keys))]
+    return [[results[i] for i in mine] for mine in slots]
 
 
 def _worker_env() -> dict[str, str]:

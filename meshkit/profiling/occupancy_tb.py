@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
 
 from typing_extensions import override
 
-from meshkit.profiling.occupancy import LIMITERS, KernelReport, kernel_occupancy
+from meshkit.profiling.occupancy import LIMITERS, KernelReport, sweep_occupancy
 
 __all__ = ["LaunchedKernel", "TritonKernelReport", "occupancy_markdown", "write_occupancy_tensorboard"]
 
@@ -206,11 +206,10 @@ class TritonKernelReport(Callback):
                             if interp else ""))
             return []
         archs = self.archs or self._default_archs()
-        reports = []
-        for rec in self.kernels.values():
-            reports += kernel_occupancy(rec.kernel, signature=rec.signature, constexprs=rec.constexprs,
-                                        num_warps=rec.num_warps, num_stages=rec.num_stages, archs=archs,
-                                        cache_dir=self.cache_dir)
+        specs = [{"kernel": rec.kernel, "signature": rec.signature, "constexprs": rec.constexprs,
+                  "configs": [{"num_warps": rec.num_warps, "num_stages": rec.num_stages}]}
+                 for rec in self.kernels.values()]
+        reports = sweep_occupancy(specs, archs=archs, cache_dir=self.cache_dir)
         self.note = f"{len(self.kernels)} kernel specialisation(s), launches: {self.launches}"
         return reports
 
