@@ -6,10 +6,12 @@ registers per thread, local (stack + spill) bytes and static shared memory with 
 ``cuobjdump --dump-resource-usage``; dynamic shared memory is Triton's ``metadata.shared`` (what its
 launcher passes at launch), and spill stores/loads come from ``ptxas -v``.
 
-Compiles run in a worker subprocess (``python -m meshkit.profiling.occupancy_compile``) because a
-process that set ``TRITON_INTERPRET=1`` before importing triton (as the test suite and CPU runs do)
-has interpreter versions of ``tl.sum`` & co. that Triton's compiler cannot lower. The worker imports
-the kernel by module name (or file path) and qualname, so a kernel must be defined at module level.
+Compiles run in this process, or, when this process set ``TRITON_INTERPRET=1`` before importing
+triton (as the test suite and CPU runs do), in worker subprocesses (``python -m
+meshkit.profiling.occupancy_compile``): in interpreter mode ``tl.sum`` & co. are interpreter versions
+that Triton's compiler cannot lower. A worker imports the kernel by module name (or file path) and
+qualname, so the kernel must be defined at module level, and a script that defines one must keep its
+own work under ``if __name__ == "__main__":`` (the worker imports the file).
 
 Results are cached on disk, one JSON file per key: the kernel's source and its module file's text,
 its qualname, the triton version, the arch, the launch config, the signature and the constexprs.
@@ -337,8 +339,9 @@ def compile_resources(kernel: Any, sig: KernelSignature, configs: Sequence[Launc
                       workers: int | None = None) -> list[KernelResources]:
     """Resources of ``kernel`` for every arch x config, from the cache or compiled in worker processes.
 
-    Results come back in arch-major order. ``workers`` defaults to ``$MESHKIT_OCCUPANCY_WORKERS`` or
-    ``min(2, cpu count)``.
+    Results come back in arch-major order. ``workers``: 0 compiles in this process (the default unless
+    Triton is in interpreter mode), N >= 1 in N worker processes (default ``min(2, cpu count)`` under
+    ``TRITON_INTERPRET=1``); ``$MESHKIT_OCCUPANCY_WORKERS`` overrides the default.
     """
     return compile_many([(kernel, sig, configs)], archs, cache_dir=cache_dir, progress=progress,
                         workers=workers)[0]
@@ -350,7 +353,7 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
     """:func:`compile_resources` for several kernels at once: one worker pool and one progress bar."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tver = _triton_version()
-    jobs, results, keys, slots = [], {}, {}, []
+    jobs, results, keys, slots, objects = [], {}, {}, [], {}
     for kernel, sig, configs in entries:
         ref, kname, src_hash = _kernel_ref(kernel), _kernel_name(kernel), _source_hash(kernel)
         mine = []
@@ -374,9 +377,10 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
                     except (ValueError, TypeError):
                         pass  # unreadable entry: recompile
                 jobs.append({**job, "id": idx})
+                objects[idx] = kernel
         slots.append(mine)
     if jobs:
-        for idx, res in _run_workers(jobs, progress, workers):
+        for idx, res in _run_workers(jobs, objects, progress, workers):
             results[idx] = res
             cache.mkdir(parents=True, exist_ok=True)
             tmp = cache / f".{keys[idx]}.{os.getpid()}.tmp"
@@ -393,8 +397,54 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_workers(jobs: list[dict], progress: bool, workers: int | None):
-    n = workers or int(os.environ.get("MESHKIT_OCCUPANCY_WORKERS", "0") or 0) or min(2, os.cpu_count() or 1)
+def _interpreting() -> bool:
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _run_in_process(jobs: list[dict], objects: Mapping[int, Any], progress: bool):
+    """Compile here: no worker start-up and the kernel modules are already imported."""
+    bar = _progress_bar(len(jobs)) if progress else None
+    failures = []
+    try:
+        for msg in _compile_iter(jobs, objects):
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"{msg['kernel']} {msg['arch']} w{msg['num_warps']}", refresh=False)
+            if msg["ok"]:
+                yield msg["id"], KernelResources(**msg["result"])
+            else:
+                failures.append(msg["error"])
+    finally:
+        if bar is not None:
+            bar.close()
+    _raise_failures(failures)
+
+
+def _raise_failures(failures: list[str]) -> None:
+    if failures:
+        more = f"\n({len(failures) - 1} more failure(s))" if len(failures) > 1 else ""
+        raise KernelCompileError(failures[0] + more)
+
+
+def _run_workers(jobs: list[dict], objects: Mapping[int, Any], progress: bool, workers: int | None):
+    """Compile in this process (``workers=0``, the default when Triton is not in interpreter mode) or in
+    worker processes (the default under ``TRITON_INTERPRET=1``, where it is the only way)."""
+    env_n = os.environ.get("MESHKIT_OCCUPANCY_WORKERS")
+    n = workers if workers is not None else (int(env_n) if env_n else None)
+    if n is None:
+        n = min(2, os.cpu_count() or 1) if _interpreting() else 0
+    if n == 0:
+        if _interpreting():
+            raise ValueError("workers=0 (compile in this process) is impossible under TRITON_INTERPRET=1: "
+                             "triton.language was imported in interpreter mode. Use workers >= 1.")
+        yield from _run_in_process(jobs, objects, progress)
+        return
+    yield from _run_pool(jobs, progress, n)
+
+
+def _run_pool(jobs: list[dict], progress: bool, n: int):
     n = max(1, min(n, len(jobs)))
     chunks = [jobs[i::n] for i in range(n)]
     out: queue.Queue = queue.Queue()
@@ -433,9 +483,7 @@ def _run_workers(jobs: list[dict], progress: bool, workers: int | None):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-    if failures:
-        raise KernelCompileError(failures[0] + (f"\n({len(failures) - 1} more failure(s))" if len(failures) > 1
-                                                else ""))
+    _raise_failures(failures)
 
 
 def _pump(proc: subprocess.Popen, chunk: list[dict], out: queue.Queue) -> None:
@@ -494,6 +542,17 @@ def _cubin_usage(cubin: bytes, fn_name: str, cuobjdump: str) -> dict[str, int]:
     return {"registers_per_thread": reg, "stack_bytes": stack, "static_shared_bytes": shared, "local_bytes": local}
 
 
+def _unwrap_jit(obj: Any, where: str) -> Any:
+    from triton.runtime.jit import JITFunction
+
+    seen = 0
+    while not isinstance(obj, JITFunction) and hasattr(obj, "fn") and seen < 8:
+        obj, seen = obj.fn, seen + 1
+    if not isinstance(obj, JITFunction):
+        raise ValueError(f"{where} is not a @triton.jit function once imported without TRITON_INTERPRET")
+    return obj
+
+
 def _load_jit(ref: dict[str, str], cache: dict) -> Any:
     key = (ref.get("module"), ref.get("file"), ref["name"])
     if key not in cache:
@@ -501,23 +560,15 @@ def _load_jit(ref: dict[str, str], cache: dict) -> Any:
         obj: Any = module
         for part in ref["name"].split("."):
             obj = getattr(obj, part)
-        from triton.runtime.jit import JITFunction
-        seen = 0
-        while not isinstance(obj, JITFunction) and hasattr(obj, "fn") and seen < 8:
-            obj, seen = obj.fn, seen + 1
-        if not isinstance(obj, JITFunction):
-            raise ValueError(f"{ref['name']} in {ref.get('module') or ref.get('file')} is not a @triton.jit "
-                             f"function once imported without TRITON_INTERPRET")
-        cache[key] = obj
+        cache[key] = _unwrap_jit(obj, f"{ref['name']} in {ref.get('module') or ref.get('file')}")
     return cache[key]
 
 
-def _compile_one(job: dict, kernels: dict, cuobjdump: str) -> dict:
+def _compile_one(job: dict, fn: Any, cuobjdump: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = _load_jit(job["ref"], kernels)
     cap = int(job["arch"].removeprefix("sm_"))
     names = fn.arg_names
     sig = {n: (job["types"][n] if n in job["types"] else "constexpr") for n in names}
@@ -537,29 +588,42 @@ def _compile_one(job: dict, kernels: dict, cuobjdump: str) -> dict:
         dynamic_shared_bytes=int(compiled.metadata.shared), compile_seconds=seconds, **usage))
 
 
-def _worker_main() -> int:
-    jobs = json.loads(sys.stdin.read())
-    real_stdout = sys.stdout
+def _compile_iter(jobs: Sequence[dict], objects: Mapping[int, Any] | None = None):
+    """Compile each job in this process (triton must be in compile mode); yields one message per job.
+
+    ``objects`` maps job ids to kernel objects already at hand (in-process use); others are imported.
+    """
     from triton import knobs
-    knobs.nvidia.dump_ptxas_log = True       # ptxas -v output -> spill stores / loads
-    knobs.compilation.always_compile = True  # so the log is printed even when triton's own cache has it
-    cuobjdump = knobs.nvidia.cuobjdump.path
+
     kernels: dict = {}
-    with tempfile.TemporaryDirectory(prefix="meshkit-triton-") as tdir:
+    with knobs.nvidia.scope(), knobs.compilation.scope(), knobs.cache.scope(), \
+            tempfile.TemporaryDirectory(prefix="meshkit-triton-") as tdir:
+        knobs.nvidia.dump_ptxas_log = True       # ptxas -v output -> spill stores / loads
+        knobs.compilation.always_compile = True  # so the log is printed even when a triton cache has it
         knobs.cache.dir = tdir
+        cuobjdump = knobs.nvidia.cuobjdump.path
         for job in jobs:
             head = {"id": job["id"], "kernel": job["kernel"], "arch": job["arch"], "num_warps": job["num_warps"]}
             try:
-                msg = {**head, "ok": True, "result": _compile_one(job, kernels, cuobjdump)}
-            except Exception as exc:  # noqa: BLE001 - any compiler failure is reported to the parent
+                obj = (objects or {}).get(job["id"])
+                fn = _unwrap_jit(obj, job["kernel"]) if obj is not None else _load_jit(job["ref"], kernels)
+                msg = {**head, "ok": True, "result": _compile_one(job, fn, cuobjdump)}
+            except Exception as exc:  # noqa: BLE001 - any compiler failure is reported to the caller
                 cfg = f"num_warps={job['num_warps']}, num_stages={job['num_stages']}, constexprs={job['constexprs']}"
                 text = f"{type(exc).__name__}: {exc}".strip()
                 if len(text) > 4000:
                     text = text[:2000] + "\n...\n" + text[-2000:]
                 msg = {**head, "ok": False,
                        "error": f"kernel {job['kernel']} failed to compile for {job['arch']} ({cfg}):\n{text}"}
-            real_stdout.write(json.dumps(msg) + "\n")
-            real_stdout.flush()
+            yield msg
+
+
+def _worker_main() -> int:
+    jobs = json.loads(sys.stdin.read())
+    real_stdout = sys.stdout
+    for msg in _compile_iter(jobs):
+        real_stdout.write(json.dumps(msg) + "\n")
+        real_stdout.flush()
     return 0
 
 

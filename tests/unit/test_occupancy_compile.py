@@ -202,3 +202,28 @@ def test_cli_builtin(reduction, cache_dir, capsys, monkeypatch):
                  "--no-progress"]) == 0
     (rec,) = json.loads(capsys.readouterr().out)["reports"]
     assert (rec["kernel"], rec["arch"], rec["num_warps"]) == ("row_sum_squares", "sm_80", 2)
+
+
+def test_in_process_compile_matches_the_worker(reduction, tmp_path):
+    """Without TRITON_INTERPRET the compile runs in the calling process; its figures equal the worker's."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from meshkit.profiling import occupancy_compile as oc\n"
+        "from meshkit.profiling.occupancy import kernel_occupancy\n"
+        "from tests.fixtures.occupancy_kernels import row_sum_squares\n"
+        "assert not oc._interpreting()\n"
+        f"r = kernel_occupancy(row_sum_squares, signature={RED_SIG!r}, constexprs={{'BLOCK': 1024}},\n"
+        f"                     num_warps=4, grid=4096, archs=['sm_90'], cache_dir={str(tmp_path)!r})[0]\n"
+        "print(json.dumps(r.to_dict()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.getcwd()
+    env["MESHKIT_OCCUPANCY_WORKERS"] = ""
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    here = json.loads(proc.stdout.strip().splitlines()[-1])
+    (worker,) = [r for r in reduction[0] if r.arch == "sm_90" and r.num_warps == 4]
+    assert here == worker.to_dict()
