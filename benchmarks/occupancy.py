@@ -31,10 +31,11 @@ def _fixture_specs():
               "stride_am": "i32:16", "stride_bk": "i32:16", "stride_cm": "i32:16"}
     return [
         {"name": "row_sum_squares", "kernel": row_sum_squares,
-         "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"}, "constexprs": {"BLOCK": 1024}},
+         "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"},
+         "constexprs": {"BLOCK": 1024}},
         {"name": "matmul_64x64x32", "kernel": matmul_kernel, "signature": mm_sig,
-         "constexprs": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "stride_ak": 1, "stride_bn": 1,
-                        "stride_cn": 1}},
+         "constexprs": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "stride_ak": 1,
+                        "stride_bn": 1, "stride_cn": 1}},
     ]
 
 
@@ -67,7 +68,8 @@ def main() -> int:
     p.add_argument("--archs", default="sm_80,sm_86,sm_89,sm_90")
     p.add_argument("--num-warps", default="2,4,8")
     p.add_argument("--interpret", action="store_true",
-                   help="set TRITON_INTERPRET=1 first, so compiles run in worker processes (the CPU-run path)")
+                   help="set TRITON_INTERPRET=1 first, so compiles run in worker processes "
+                        "(the CPU-run path)")
     a = p.parse_args()
     archs = a.archs.split(",")
     warps = [int(w) for w in a.num_warps.split(",")]
@@ -80,7 +82,8 @@ def main() -> int:
           f"{n} compiles, cpus={os.cpu_count()}, load={os.getloadavg()[0]:.1f}, "
           f"{'worker processes (TRITON_INTERPRET=1)' if a.interpret else 'in-process compile'}")
     # on a shared machine wall time counts other people's load; CPU seconds are what the sweep itself costs
-    print(f"cold: {cold:6.1f} s wall, {cold_cpu:6.1f} s CPU  (target < 60 s) {'OK' if cold < 60 else 'MISSED'}")
+    print(f"cold: {cold:6.1f} s wall, {cold_cpu:6.1f} s CPU  (target < 60 s) "
+          f"{'OK' if cold < 60 else 'MISSED'}")
     print(f"warm: {warm:6.2f} s wall, {warm_cpu:6.2f} s CPU  (target <  5 s) {'OK' if warm < 5 else 'MISSED'}"
           f"   cold/warm = {cold / warm:.0f}x")
     return 0

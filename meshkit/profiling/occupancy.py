@@ -29,7 +29,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
@@ -63,7 +63,8 @@ _SRC_ADA = ("NVIDIA Ada GPU Architecture Tuning Guide, §Occupancy (docs.nvidia.
             "48 warps and 24 blocks per SM, 100 KB smem/SM, 99 KB/block")
 _SRC_HOPPER = ("NVIDIA Hopper Tuning Guide, §Occupancy and §Shared memory (docs.nvidia.com/cuda/"
                "hopper-tuning-guide/): 64 warps and 32 blocks per SM, 228 KB smem/SM, 227 KB/block")
-_SRC_BLACKWELL = ("NVIDIA Blackwell Tuning Guide, §Occupancy (docs.nvidia.com/cuda/blackwell-tuning-guide/): "
+_SRC_BLACKWELL = ("NVIDIA Blackwell Tuning Guide, §Occupancy "
+                  "(docs.nvidia.com/cuda/blackwell-tuning-guide/): "
                   "cc 10.0 keeps Hopper's 64 warps, 32 blocks, 64K registers and 228 KB smem per SM")
 
 
@@ -105,7 +106,8 @@ class ArchSpec:
 
 def _arch(name, cap, warps, blocks, smem_sm_kib, smem_block_kib, sources) -> ArchSpec:
     return ArchSpec(
-        name=name, capability=cap, max_warps_per_sm=warps, max_blocks_per_sm=blocks, max_threads_per_block=1024,
+        name=name, capability=cap, max_warps_per_sm=warps, max_blocks_per_sm=blocks,
+        max_threads_per_block=1024,
         registers_per_sm=64 * _KIB, max_registers_per_block=64 * _KIB, max_registers_per_thread=255,
         register_allocation_unit=256, register_sub_partitions=4,
         shared_per_sm_bytes=smem_sm_kib * _KIB, shared_per_block_bytes=smem_block_kib * _KIB,
@@ -120,7 +122,8 @@ ARCHS: dict[str, ArchSpec] = {
     "sm_86": _arch("sm_86", 86, 48, 16, 100, 99, (_SRC_AMPERE,)),    # A10, A40, RTX 3090
     "sm_89": _arch("sm_89", 89, 48, 24, 100, 99, (_SRC_ADA,)),       # L4, L40S, RTX 4090
     "sm_90": _arch("sm_90", 90, 64, 32, 228, 227, (_SRC_HOPPER,)),   # H100, H200
-    "sm_100": _arch("sm_100", 100, 64, 32, 228, 227, (_SRC_BLACKWELL,)),  # B200 (ptxas-blackwell in triton's wheel)
+    # B200; Triton's wheel compiles it with its second ptxas (ptxas-blackwell)
+    "sm_100": _arch("sm_100", 100, 64, 32, 228, 227, (_SRC_BLACKWELL,)),
 }
 """Architecture table, keyed by ``"sm_XY"``."""
 
@@ -261,7 +264,8 @@ def _register_block_limit(spec: ArchSpec, regs: int, num_warps: int) -> tuple[in
 
 
 def _shared_block_limit(spec: ArchSpec, shared_bytes: int) -> tuple[int, int]:
-    allocated = _round_up(shared_bytes + spec.reserved_shared_per_block_bytes, spec.shared_allocation_unit_bytes)
+    allocated = _round_up(shared_bytes + spec.reserved_shared_per_block_bytes,
+                          spec.shared_allocation_unit_bytes)
     if shared_bytes > spec.shared_per_block_bytes:
         return 0, allocated
     return spec.shared_per_sm_bytes // allocated, allocated
@@ -300,7 +304,8 @@ def theoretical_occupancy(arch: str | int, registers_per_thread: int, num_warps:
     limits = {k: min(v, 10**9) for k, v in limits.items()}
     hint = _hint(spec, registers_per_thread, num_warps, shared_bytes, limits, blocks, tied)
     return Occupancy(
-        arch=spec.name, registers_per_thread=registers_per_thread, num_warps=num_warps, shared_bytes=shared_bytes,
+        arch=spec.name, registers_per_thread=registers_per_thread, num_warps=num_warps,
+        shared_bytes=shared_bytes,
         active_blocks_per_sm=blocks, active_warps_per_sm=warps, max_warps_per_sm=spec.max_warps_per_sm,
         occupancy=occ, limiter=tied[0], limiters=tied, block_limits=limits,
         registers_allocated_per_block=reg_alloc, shared_allocated_per_block=smem_alloc, hint=hint,
@@ -327,8 +332,8 @@ def _hint(spec: ArchSpec, regs: int, num_warps: int, smem: int, limits: dict[str
         if limits["registers"] == 0:
             return (f"cannot launch: {regs} registers x {num_warps * 32} threads exceed the "
                     f"{spec.max_registers_per_block} registers of a block; use fewer warps or cap registers")
-        return (f"cannot launch: {smem} B of shared memory exceed the {spec.shared_per_block_bytes} B a block may "
-                f"use on {spec.name}; use smaller tiles or fewer num_stages")
+        return (f"cannot launch: {smem} B of shared memory exceed the {spec.shared_per_block_bytes} B "
+                f"a block may use on {spec.name}; use smaller tiles or fewer num_stages")
     if blocks * num_warps == spec.max_warps_per_sm:
         return "full occupancy: every warp slot of the SM is used"
     others = [k for k in LIMITERS if k not in tied]
@@ -337,16 +342,16 @@ def _hint(spec: ArchSpec, regs: int, num_warps: int, smem: int, limits: dict[str
     want = blocks + 1
     if "warps" in tied:
         fits = [w for w in (1, 2, 4, 8, 16, 32) if spec.max_warps_per_sm % w == 0 and w <= num_warps]
-        return (f"num_warps={num_warps} does not divide the {spec.max_warps_per_sm} warp slots of {spec.name}; "
-                f"num_warps={max(fits)} would fill them")
+        return (f"num_warps={num_warps} does not divide the {spec.max_warps_per_sm} warp slots of "
+                f"{spec.name}; num_warps={max(fits)} would fill them")
     if ceiling < want:
         return f"{' and '.join(tied)} tie at {blocks} blocks/SM: lifting one alone does not help"
     steps = []
     gain = (min(ceiling, want) * num_warps) / spec.max_warps_per_sm
     if "registers" in tied:
         target = _max_regs_for(spec, num_warps, want)
-        steps.append(f"cut registers from {regs} to <= {target} per thread (smaller tiles, fewer live values, "
-                     f"or maxnreg)")
+        steps.append(f"cut registers from {regs} to <= {target} per thread (smaller tiles, fewer live "
+                     f"values, or maxnreg)")
     if "shared_memory" in tied:
         budget = (spec.shared_per_sm_bytes // want) // spec.shared_allocation_unit_bytes \
             * spec.shared_allocation_unit_bytes - spec.reserved_shared_per_block_bytes
@@ -357,7 +362,8 @@ def _hint(spec: ArchSpec, regs: int, num_warps: int, smem: int, limits: dict[str
     return " and ".join(steps) + f" -> {want} blocks/SM, occupancy {gain:.0%}"
 
 
-def grid_waves(occ: Occupancy, grid: int | Sequence[int], gpus: Iterable[str] | None = None) -> list[GridWaves]:
+def grid_waves(occ: Occupancy, grid: int | Sequence[int],
+               gpus: Iterable[str] | None = None) -> list[GridWaves]:
     """Waves of a grid on each GPU model of ``occ.arch`` (or on the models named in ``gpus``).
 
     >>> occ = theoretical_occupancy("sm_90", 32, 4, 0)   # 16 blocks/SM
@@ -367,7 +373,8 @@ def grid_waves(occ: Occupancy, grid: int | Sequence[int], gpus: Iterable[str] | 
     """
     dims = [grid] if isinstance(grid, int) else list(grid)
     if not dims or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-        raise ValueError(f"grid={grid!r} must be a positive int or a sequence of positive ints (blocks per axis).")
+        raise ValueError(f"grid={grid!r} must be a positive int or a sequence of positive ints "
+                         f"(blocks per axis).")
     blocks = math.prod(dims)
     if gpus is None:
         models = [g for g in GPUS.values() if g.arch == occ.arch]
@@ -426,7 +433,8 @@ class KernelReport:
         """Flat JSON-able record (the ``--json`` shape)."""
         occ = self.occupancy
         return {
-            "kernel": self.kernel, "arch": self.arch, "num_warps": self.num_warps, "num_stages": self.num_stages,
+            "kernel": self.kernel, "arch": self.arch, "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
             "constexprs": dict(self.constexprs),
             "registers_per_thread": self.registers_per_thread, "spill_bytes": self.spill_bytes,
             "spill_load_bytes": self.spill_load_bytes, "local_bytes": self.local_bytes,
@@ -474,9 +482,10 @@ def kernel_occupancy(
     >>> reps[0].occupancy.limiter  # doctest: +SKIP
     'warps'
     """
-    spec = {"kernel": kernel, "args": args, "signature": signature, "constexprs": constexprs, "configs": configs}
-    return sweep_occupancy([spec], num_warps=num_warps, num_stages=num_stages, archs=archs, grid=grid, gpus=gpus,
-                           cache_dir=cache_dir, progress=progress)
+    spec = {"kernel": kernel, "args": args, "signature": signature, "constexprs": constexprs,
+            "configs": configs}
+    return sweep_occupancy([spec], num_warps=num_warps, num_stages=num_stages, archs=archs, grid=grid,
+                           gpus=gpus, cache_dir=cache_dir, progress=progress)
 
 
 def sweep_occupancy(
@@ -497,7 +506,7 @@ def sweep_occupancy(
     """
     from meshkit.profiling import occupancy_compile as oc
 
-    arch_specs = [resolve_arch(a) for a in archs]
+    arch_specs = list({s.name: s for s in (resolve_arch(a) for a in archs)}.values())  # "sm_90,H100" once
     if not arch_specs:
         raise ValueError("archs=[] is empty: name at least one target, e.g. archs=['sm_90'].")
     if gpus is not None:
@@ -524,7 +533,8 @@ def sweep_occupancy(
         reports.append(KernelReport(
             kernel=res.kernel, arch=res.arch, num_warps=res.num_warps, num_stages=res.num_stages,
             constexprs=res.constexprs, registers_per_thread=res.registers_per_thread,
-            spill_bytes=res.spill_store_bytes, spill_load_bytes=res.spill_load_bytes, local_bytes=res.local_bytes,
+            spill_bytes=res.spill_store_bytes, spill_load_bytes=res.spill_load_bytes,
+            local_bytes=res.local_bytes,
             static_shared_bytes=res.static_shared_bytes, dynamic_shared_bytes=res.dynamic_shared_bytes,
             occupancy=occ, waves=waves, cached=res.cached,
         ))
@@ -538,7 +548,8 @@ def sweep_occupancy(
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Flags of ``meshkit occupancy``."""
-    parser.add_argument("target", nargs="?", help="MODULE:KERNEL or path/to/file.py:KERNEL (a @triton.jit function)")
+    parser.add_argument("target", nargs="?",
+                        help="MODULE:KERNEL or path/to/file.py:KERNEL (a @triton.jit function)")
     parser.add_argument("--builtin", action="store_true", help="report every kernel in meshkit.kernels")
     parser.add_argument("--signature", help='argument types, e.g. "X=*fp32,W=*fp32,N=i32"')
     parser.add_argument("--constexpr", action="append", default=[], metavar="NAME=VALUE",
@@ -550,7 +561,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", help="blocks, e.g. 4096 or 64x32: adds waves and tail per GPU model")
     parser.add_argument("--gpu", help="comma list of GPU models for --grid (default: all of each arch)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--tensorboard", metavar="DIR", help="also write a table and bar charts to this run dir")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write a table and bar charts to this run dir")
     parser.add_argument("--cache-dir", help="result cache (default $MESHKIT_CACHE_DIR or ~/.cache/meshkit)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -608,17 +620,18 @@ def _builtin_specs() -> list[dict[str, Any]]:
         kernels = importlib.import_module("meshkit.kernels")
         specs = kernels.builtin_kernel_specs
     except (ImportError, AttributeError):
-        raise ValueError("--builtin needs meshkit.kernels.builtin_kernel_specs(), which this meshkit does not "
-                         "have yet; name a kernel instead: meshkit occupancy MODULE:KERNEL --signature ...") from None
+        raise ValueError("--builtin needs meshkit.kernels.builtin_kernel_specs(), which this meshkit does "
+                         "not have yet; name a kernel instead: meshkit occupancy MODULE:KERNEL "
+                         "--signature ...") from None
     return list(specs())
 
 
 def _format_table(reports: Sequence[KernelReport]) -> str:
     head = ["kernel", "arch", "warps", "stages", "regs", "spill B", "smem B", "blocks/SM", "warps/SM", "occ",
             "limiter"]
-    rows = [[r.kernel, r.arch, r.num_warps, r.num_stages, r.registers_per_thread, r.spill_bytes, r.shared_bytes,
-             r.occupancy.active_blocks_per_sm, r.occupancy.active_warps_per_sm, f"{r.occupancy.occupancy:.0%}",
-             r.occupancy.limiter] for r in reports]
+    rows = [[r.kernel, r.arch, r.num_warps, r.num_stages, r.registers_per_thread, r.spill_bytes,
+             r.shared_bytes, r.occupancy.active_blocks_per_sm, r.occupancy.active_warps_per_sm,
+             f"{r.occupancy.occupancy:.0%}", r.occupancy.limiter] for r in reports]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows]]
     for r in reports:

@@ -72,7 +72,7 @@ class KernelSignature:
     """Non-constexpr parameter -> Triton type string (``"*fp32"``, ``"i32"``)."""
     constexprs: dict[str, Any]
     divisible: tuple[str, ...]
-    """Parameters known to be 16-divisible (pointers 16-byte aligned), as Triton's launcher specialises them."""
+    """Parameters known to be 16-divisible (pointers: 16-byte aligned), as Triton's launcher marks them."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def _python_fn(kernel: Any) -> Any:
     while hasattr(obj, "fn") and seen < 8:
         obj, seen = obj.fn, seen + 1
     if not inspect.isfunction(obj) or seen == 0:
-        raise ValueError(f"kernel={kernel!r} is not a @triton.jit function (nor an autotuned / heuristics one).")
+        raise ValueError(f"kernel={kernel!r} is not a @triton.jit function (nor an autotuned or "
+                         f"heuristics one).")
     return obj
 
 
@@ -160,7 +161,8 @@ def _type_of_arg(name: str, value: Any) -> tuple[str, bool]:
     if hasattr(value, "data_ptr") and hasattr(value, "dtype"):
         dt = str(value.dtype).removeprefix("torch.")
         if dt not in _TORCH_DTYPES:
-            raise ValueError(f"argument {name} has dtype={value.dtype}, which has no Triton pointer type here.")
+            raise ValueError(f"argument {name} has dtype={value.dtype}, which has no Triton pointer type "
+                             f"here.")
         return "*" + _TORCH_DTYPES[dt], value.data_ptr() % 16 == 0
     if isinstance(value, bool):
         return "i1", False
@@ -168,8 +170,8 @@ def _type_of_arg(name: str, value: Any) -> tuple[str, bool]:
         return ("i32" if -2**31 <= value < 2**31 else "i64"), value % 16 == 0
     if isinstance(value, float):
         return "fp32", False
-    raise ValueError(f"argument {name}={value!r} ({type(value).__name__}) is not a tensor, int, float or bool; "
-                     f"pass signature= instead.")
+    raise ValueError(f"argument {name}={value!r} ({type(value).__name__}) is not a tensor, int, float or "
+                     f"bool; pass signature= instead.")
 
 
 def build_signature(kernel: Any, *, args: Sequence[Any] | None = None,
@@ -195,8 +197,8 @@ def build_signature(kernel: Any, *, args: Sequence[Any] | None = None,
         for n, ty in raw.items():
             ty, colon, hint = str(ty).strip().partition(":")
             if colon and hint != "16":
-                raise ValueError(f"signature type {n}={raw[n]!r}: the only hint is ':16' (16-divisible int or "
-                                 f"16-byte aligned pointer), as in Triton's AOT compiler.")
+                raise ValueError(f"signature type {n}={raw[n]!r}: the only hint is ':16' (16-divisible int "
+                                 f"or 16-byte aligned pointer), as in Triton's AOT compiler.")
             types[n] = _check_type(n, ty)
             if ty.startswith("*") or colon:
                 divisible.append(n)
@@ -216,19 +218,20 @@ def build_signature(kernel: Any, *, args: Sequence[Any] | None = None,
                          f"{', '.join(names)}. Fix the signature/constexpr names.")
     both = [n for n in types if n in constexprs]
     if both:
-        raise ValueError(f"kernel {kname}: {', '.join(both)} given both a type and a constexpr value; give one.")
+        raise ValueError(f"kernel {kname}: {', '.join(both)} given both a type and a constexpr value; "
+                         f"give one.")
     for n, is_c, default in params:
         if is_c and n in types:
-            raise ValueError(f"kernel {kname}: parameter {n} is a tl.constexpr; pass its value as a constexpr "
-                             f"(--constexpr {n}=...), not a type {n}={types[n]!r}.")
+            raise ValueError(f"kernel {kname}: parameter {n} is a tl.constexpr; pass its value as a "
+                             f"constexpr (--constexpr {n}=...), not a type {n}={types[n]!r}.")
         if is_c and n not in constexprs:
             if default is inspect.Parameter.empty:
-                raise ValueError(f"kernel {kname}: tl.constexpr {n} has no value; pass constexprs={{'{n}': ...}} "
-                                 f"(CLI: --constexpr {n}=...).")
+                raise ValueError(f"kernel {kname}: tl.constexpr {n} has no value; pass "
+                                 f"constexprs={{'{n}': ...}} (CLI: --constexpr {n}=...).")
             constexprs[n] = default
         if not is_c and n not in types and n not in constexprs:
-            raise ValueError(f"kernel {kname}: parameter {n} has no type in the signature; add e.g. {n}=*fp32 "
-                             f"or {n}=i32.")
+            raise ValueError(f"kernel {kname}: parameter {n} has no type in the signature; add e.g. "
+                             f"{n}=*fp32 or {n}=i32.")
     return KernelSignature(types=types, constexprs=constexprs, divisible=tuple(divisible))
 
 
@@ -254,7 +257,8 @@ def launch_configs(kernel: Any, *, num_warps: int | Sequence[int] | None = None,
             raise ValueError("configs=[] is empty; give at least one config.")
         return out
     warps = [4] if num_warps is None else ([num_warps] if isinstance(num_warps, int) else list(num_warps))
-    stages = [3] if num_stages is None else ([num_stages] if isinstance(num_stages, int) else list(num_stages))
+    stages = [3] if num_stages is None else (
+        [num_stages] if isinstance(num_stages, int) else list(num_stages))
     for w in warps:
         _positive("num_warps", w)
         if w & (w - 1) or w > 32:
@@ -273,8 +277,8 @@ def _kernel_ref(kernel: Any) -> dict[str, str]:
     fn = _python_fn(kernel)
     name = fn.__qualname__
     if "<locals>" in name:
-        raise ValueError(f"kernel {fn.__name__} is defined inside a function ({name}); define it at module level "
-                         f"so the compile worker can import it.")
+        raise ValueError(f"kernel {fn.__name__} is defined inside a function ({name}); define it at module "
+                         f"level so the compile worker can import it.")
     module = fn.__module__
     mod = sys.modules.get(module)
     if module != "__main__" and mod is not None and getattr(mod, name, None) is not None:
@@ -334,7 +338,8 @@ def _triton_version() -> str:
         return "unknown"
 
 
-def compile_resources(kernel: Any, sig: KernelSignature, configs: Sequence[LaunchConfig], archs: Sequence[str],
+def compile_resources(kernel: Any, sig: KernelSignature, configs: Sequence[LaunchConfig],
+                      archs: Sequence[str],
                       *, cache_dir: str | os.PathLike | None = None, progress: bool = False,
                       workers: int | None = None) -> list[KernelResources]:
     """Resources of ``kernel`` for every arch x config, from the cache or compiled in worker processes.
@@ -363,7 +368,8 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
                 job = {
                     "ref": ref, "kernel": kname, "arch": arch, "num_warps": cfg.num_warps,
                     "num_stages": cfg.num_stages, "types": sig.types,
-                    "constexprs": {k: _jsonable(v) for k, v in consts.items()}, "divisible": list(sig.divisible),
+                    "constexprs": {k: _jsonable(v) for k, v in consts.items()},
+                    "divisible": list(sig.divisible),
                 }
                 key_src = json.dumps({**job, "ref": None, "source": src_hash, "triton": tver}, sort_keys=True)
                 idx = len(keys)
@@ -450,8 +456,9 @@ def _run_pool(jobs: list[dict], progress: bool, n: int):
     out: queue.Queue = queue.Queue()
     procs = []
     for chunk in chunks:
-        proc = subprocess.Popen([sys.executable, "-m", "meshkit.profiling.occupancy_compile"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_worker_env(), text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "meshkit.profiling.occupancy_compile"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_worker_env(), text=True)
         procs.append(proc)
         threading.Thread(target=_pump, args=(proc, chunk, out), daemon=True).start()
     bar = _progress_bar(len(jobs)) if progress else None
@@ -461,7 +468,8 @@ def _run_pool(jobs: list[dict], progress: bool, n: int):
             try:
                 msg = out.get(timeout=_WORKER_TIMEOUT_S)
             except queue.Empty:
-                raise RuntimeError(f"occupancy compile worker produced nothing for {_WORKER_TIMEOUT_S:.0f} s") from None
+                raise RuntimeError(f"occupancy compile worker produced nothing for "
+                                   f"{_WORKER_TIMEOUT_S:.0f} s") from None
             if msg.get("dead"):
                 dead += 1
                 if msg["missing"]:
@@ -502,7 +510,8 @@ def _pump(proc: subprocess.Popen, chunk: list[dict], out: queue.Queue) -> None:
             out.put(json.loads(line))
     proc.wait()
     t.join(timeout=5)
-    out.put({"dead": True, "rc": proc.returncode, "missing": len(chunk) - seen, "stderr": "".join(stderr_chunks)})
+    out.put({"dead": True, "rc": proc.returncode, "missing": len(chunk) - seen,
+             "stderr": "".join(stderr_chunks)})
 
 
 def _progress_bar(total: int):
@@ -539,7 +548,8 @@ def _cubin_usage(cubin: bytes, fn_name: str, cuobjdump: str) -> dict[str, int]:
     if chosen is None:
         raise RuntimeError(f"cuobjdump printed no resource usage for {fn_name}:\n{text}")
     reg, stack, shared, local = map(int, chosen.groups())
-    return {"registers_per_thread": reg, "stack_bytes": stack, "static_shared_bytes": shared, "local_bytes": local}
+    return {"registers_per_thread": reg, "stack_bytes": stack, "static_shared_bytes": shared,
+            "local_bytes": local}
 
 
 def _unwrap_jit(obj: Any, where: str) -> Any:
@@ -576,7 +586,8 @@ def _compile_one(job: dict, fn: Any, cuobjdump: str) -> dict:
     log = io.StringIO()
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(log):
-        compiled = triton.compile(ASTSource(fn, sig, job["constexprs"], attrs), target=GPUTarget("cuda", cap, 32),
+        compiled = triton.compile(ASTSource(fn, sig, job["constexprs"], attrs),
+                                  target=GPUTarget("cuda", cap, 32),
                                   options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]})
     seconds = time.perf_counter() - t0
     usage = _cubin_usage(compiled.asm["cubin"], compiled.metadata.name, cuobjdump)
@@ -603,18 +614,21 @@ def _compile_iter(jobs: Sequence[dict], objects: Mapping[int, Any] | None = None
         knobs.cache.dir = tdir
         cuobjdump = knobs.nvidia.cuobjdump.path
         for job in jobs:
-            head = {"id": job["id"], "kernel": job["kernel"], "arch": job["arch"], "num_warps": job["num_warps"]}
+            head = {"id": job["id"], "kernel": job["kernel"], "arch": job["arch"],
+                    "num_warps": job["num_warps"]}
             try:
                 obj = (objects or {}).get(job["id"])
                 fn = _unwrap_jit(obj, job["kernel"]) if obj is not None else _load_jit(job["ref"], kernels)
                 msg = {**head, "ok": True, "result": _compile_one(job, fn, cuobjdump)}
             except Exception as exc:  # noqa: BLE001 - any compiler failure is reported to the caller
-                cfg = f"num_warps={job['num_warps']}, num_stages={job['num_stages']}, constexprs={job['constexprs']}"
+                cfg = (f"num_warps={job['num_warps']}, num_stages={job['num_stages']}, "
+                       f"constexprs={job['constexprs']}")
                 text = f"{type(exc).__name__}: {exc}".strip()
                 if len(text) > 4000:
                     text = text[:2000] + "\n...\n" + text[-2000:]
                 msg = {**head, "ok": False,
-                       "error": f"kernel {job['kernel']} failed to compile for {job['arch']} ({cfg}):\n{text}"}
+                       "error": f"kernel {job['kernel']} failed to compile for {job['arch']} "
+                                f"({cfg}):\n{text}"}
             yield msg
 
 

@@ -31,9 +31,9 @@ def occupancy_markdown(reports: Sequence[KernelReport]) -> str:
         occ = r.occupancy
         consts = ", ".join(f"{k}={v}" for k, v in r.constexprs.items())
         lines.append(f"| {r.kernel} | {r.arch} | {r.num_warps} | {r.num_stages} | {consts} | "
-                     f"{r.registers_per_thread} | {r.spill_bytes} | {r.shared_bytes} | {occ.active_blocks_per_sm} | "
-                     f"{occ.active_warps_per_sm}/{occ.max_warps_per_sm} | {occ.occupancy:.1%} | {occ.limiter} | "
-                     f"{occ.hint} |")
+                     f"{r.registers_per_thread} | {r.spill_bytes} | {r.shared_bytes} | "
+                     f"{occ.active_blocks_per_sm} | {occ.active_warps_per_sm}/{occ.max_warps_per_sm} | "
+                     f"{occ.occupancy:.1%} | {occ.limiter} | {occ.hint} |")
     return "\n".join(lines)
 
 
@@ -59,7 +59,8 @@ def _bar_figure(report: KernelReport):
 
 def _tag(report: KernelReport) -> str:
     consts = "_".join(f"{k}{v}" for k, v in report.constexprs.items())
-    return f"occupancy/{report.kernel}/{report.arch}/w{report.num_warps}_s{report.num_stages}_{consts}".rstrip("_")
+    cfg = f"w{report.num_warps}_s{report.num_stages}_{consts}".rstrip("_")
+    return f"occupancy/{report.kernel}/{report.arch}/{cfg}"
 
 
 def write_occupancy_tensorboard(reports: Sequence[KernelReport], log_dir_or_writer: Any, step: int = 0,
@@ -141,13 +142,15 @@ class TritonKernelReport(Callback):
             name = jit.arg_names[idx] if isinstance(idx, int) and idx < len(jit.arg_names) else None
             if name in sig and not sig[name].startswith("*") and ["tt.divisibility", 16] in list(items):
                 sig[name] = sig[name] + ":16"
-        k = (fn.module, fn.name, tuple(sorted(sig.items())), tuple(sorted((a, str(b)) for a, b in consts.items())),
+        k = (fn.module, fn.name, tuple(sorted(sig.items())),
+             tuple(sorted((a, str(b)) for a, b in consts.items())),
              compile["num_warps"], compile["num_stages"])
         self.kernels.setdefault(k, LaunchedKernel(fn.module, fn.name, sig, consts, compile["num_warps"],
                                                   compile["num_stages"], kernel=jit))
         if self._prev_compile_hook is not None:
             return self._prev_compile_hook(key=key, repr=repr, fn=fn, compile=compile,
-                                           is_manual_warmup=is_manual_warmup, already_compiled=already_compiled)
+                                           is_manual_warmup=is_manual_warmup,
+                                           already_compiled=already_compiled)
         return None
 
     def _on_launch(self, metadata) -> None:
@@ -202,8 +205,8 @@ class TritonKernelReport(Callback):
         if not self.kernels:
             interp = bool(triton.knobs.runtime.interpret)
             self.note = ("no Triton kernels were compiled or launched during fit"
-                         + (" (TRITON_INTERPRET=1: kernels ran in Triton's interpreter, which compiles nothing)"
-                            if interp else ""))
+                         + (" (TRITON_INTERPRET=1: kernels ran in Triton's interpreter, which compiles "
+                            "nothing)" if interp else ""))
             return []
         archs = self.archs or self._default_archs()
         specs = [{"kernel": rec.kernel, "signature": rec.signature, "constexprs": rec.constexprs,

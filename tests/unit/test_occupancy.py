@@ -25,7 +25,8 @@ def test_sm80_register_limited():
     # 128 x 32 = 4096 regs/warp; 16384 // 4096 = 4 warps per sub-partition -> 16 warps -> 16 // 4 = 4 blocks
     occ = theoretical_occupancy("sm_80", 128, 4, 0)
     _check(occ, 4, 16, 16 / 64, "registers")
-    assert occ.block_limits == {"warps": 64 // 4, "blocks": 32, "registers": 4, "shared_memory": 167936 // 1024}
+    assert occ.block_limits == {"warps": 64 // 4, "blocks": 32, "registers": 4,
+                                "shared_memory": 167936 // 1024}
     # 5 blocks need 5 warps per sub-partition: 16384 // 5 = 3276 -> 3072 regs/warp -> 96 regs/thread
     assert "cut registers from 128 to <= 96" in occ.hint and "5 blocks/SM" in occ.hint
 
@@ -136,7 +137,8 @@ def test_grid_waves_by_hand():
     (w,) = grid_waves(occ, (66, 64), ["H100-SXM"])  # 4224 = exactly 2 waves
     assert (w.waves, w.tail_utilisation, w.efficiency) == (2.0, 1.0, 1.0)
     # default: every model of the arch (H100 SXM, H100 PCIe, H200)
-    assert sorted(x.gpu for x in occ.waves(5000)) == sorted(g.name for g in GPUS.values() if g.arch == "sm_90")
+    hopper = sorted(g.name for g in GPUS.values() if g.arch == "sm_90")
+    assert sorted(x.gpu for x in occ.waves(5000)) == hopper
     with pytest.raises(ValueError, match="grid=0 must be a positive int"):
         grid_waves(occ, 0)
     with pytest.raises(ValueError, match="Unknown gpu='V100'"):
@@ -155,7 +157,8 @@ def test_arch_table_and_names():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(arch="sm_75", registers_per_thread=32, num_warps=4), r"Unknown arch='sm_75'"),
-    (dict(arch="sm_80", registers_per_thread=256, num_warps=4), r"registers_per_thread=256 must be an int in \[0, 255\]"),
+    (dict(arch="sm_80", registers_per_thread=256, num_warps=4),
+     r"registers_per_thread=256 must be an int in \[0, 255\]"),
     (dict(arch="sm_80", registers_per_thread=32, num_warps=0), r"num_warps=0 must be an int in \[1, 32\]"),
     (dict(arch="sm_80", registers_per_thread=32, num_warps=64), r"num_warps=64"),
     (dict(arch="sm_80", registers_per_thread=32, num_warps=4, shared_bytes=-1), r"shared_bytes=-1"),

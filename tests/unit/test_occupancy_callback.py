@@ -1,5 +1,5 @@
-"""TritonKernelReport on CPU: the run launches a Triton kernel through the interpreter, which compiles nothing,
-so the report is empty and says why (GPU runs are checked in tests/gpu/test_occupancy_gpu.py)."""
+"""TritonKernelReport on CPU: the run launches a Triton kernel through the interpreter, which compiles
+nothing, so the report is empty and says why (GPU runs are checked in tests/gpu/test_occupancy_gpu.py)."""
 
 import lightning as L
 import torch
@@ -33,9 +33,9 @@ def test_cpu_run_reports_no_compiled_kernels_honestly(tmp_path):
     data = torch.utils.data.TensorDataset(torch.randn(8, 64))
     cb = TritonKernelReport(archs=["sm_90"], cache_dir=str(tmp_path / "cache"))
     module = _SumSquaresModule()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(str(tmp_path), name="run"),
-                        callbacks=[cb], enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2,
+                        logger=TensorBoardLogger(str(tmp_path), name="run"), callbacks=[cb],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     assert module.kernel_calls == 2
     assert cb.kernels == {} and cb.launches == {} and cb.reports == []

@@ -107,8 +107,10 @@ def test_signature_from_example_args():
 
 def test_autotune_configs_are_the_default():
     cfgs = launch_configs(autotuned_scale)
-    assert [(c.num_warps, c.num_stages, c.constexprs) for c in cfgs] == [(2, 2, {"BLOCK": 256}), (8, 3, {"BLOCK": 1024})]
-    assert [(c.num_warps, c.num_stages) for c in launch_configs(autotuned_scale, num_warps=[4, 8])] == [(4, 3), (8, 3)]
+    got = [(c.num_warps, c.num_stages, c.constexprs) for c in cfgs]
+    assert got == [(2, 2, {"BLOCK": 256}), (8, 3, {"BLOCK": 1024})]
+    explicit = launch_configs(autotuned_scale, num_warps=[4, 8])
+    assert [(c.num_warps, c.num_stages) for c in explicit] == [(4, 3), (8, 3)]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -120,7 +122,8 @@ def test_autotune_configs_are_the_default():
     (dict(signature=RED_SIG), r"tl.constexpr BLOCK has no value"),
     (dict(signature="X=*float,OUT=*fp32,N=i32,stride=i32", constexprs={"BLOCK": 8}),
      r"X='\*float' is not a Triton type"),
-    (dict(signature="X=*fp32,OUT=*fp32,N=i32:8,stride=i32", constexprs={"BLOCK": 8}), r"the only hint is ':16'"),
+    (dict(signature="X=*fp32,OUT=*fp32,N=i32:8,stride=i32", constexprs={"BLOCK": 8}),
+     r"the only hint is ':16'"),
     (dict(args=[torch.empty(4)], constexprs={"BLOCK": 8}), r"takes 4 runtime arguments .* got len\(args\)=1"),
     (dict(signature=RED_SIG, constexprs={"BLOCK": 8}, num_warps=3), r"num_warps=3 must be a power of two"),
 ])
@@ -130,7 +133,8 @@ def test_bad_input_is_named(kwargs, match, cache_dir):
 
 
 def test_kernel_that_fails_to_compile(cache_dir):
-    with pytest.raises(KernelCompileError, match=r"(?s)broken_kernel failed to compile for sm_90 .*power of 2"):
+    match = r"(?s)broken_kernel failed to compile for sm_90 .*power of 2"
+    with pytest.raises(KernelCompileError, match=match):
         kernel_occupancy(broken_kernel, signature="X=*fp32,N=i32", constexprs={"BLOCK": 100}, archs=["sm_90"],
                          cache_dir=cache_dir)
 
@@ -196,7 +200,8 @@ def test_cli_builtin(reduction, cache_dir, capsys, monkeypatch):
     assert _cli(["--builtin", "--arch", "sm_90", "--json"]) == 2
     assert "meshkit.kernels.builtin_kernel_specs()" in capsys.readouterr().err
     spec = {"name": "row_sum_squares", "kernel": row_sum_squares,
-            "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"}, "constexprs": {"BLOCK": 1024}}
+            "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"},
+            "constexprs": {"BLOCK": 1024}}
     monkeypatch.setattr(meshkit.kernels, "builtin_kernel_specs", lambda: [spec], raising=False)
     assert _cli(["--builtin", "--arch", "sm_80", "--num-warps", "2", "--json", "--cache-dir", cache_dir,
                  "--no-progress"]) == 0
@@ -222,7 +227,8 @@ def test_in_process_compile_matches_the_worker(reduction, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.getcwd()
     env["MESHKIT_OCCUPANCY_WORKERS"] = ""
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     here = json.loads(proc.stdout.strip().splitlines()[-1])
     (worker,) = [r for r in reduction[0] if r.arch == "sm_90" and r.num_warps == 4]
