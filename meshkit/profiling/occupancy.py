@@ -501,8 +501,9 @@ def sweep_occupancy(
 ) -> list[KernelReport]:
     """:func:`kernel_occupancy` for many kernels in one worker pool (one progress bar).
 
-    Each spec is a dict with ``kernel`` and ``signature`` (or ``args``), optional ``constexprs`` and
-    ``configs`` — the shape of ``meshkit.kernels.builtin_kernel_specs()``.
+    Each spec is a dict with ``kernel`` and ``signature`` (or ``args``), optional ``constexprs``,
+    ``configs`` and ``name`` (the reports' kernel name; default the function's) — the shape of
+    ``meshkit.kernels.builtin_kernel_specs()``.
     """
     from meshkit.profiling import occupancy_compile as oc
 
@@ -523,7 +524,8 @@ def sweep_occupancy(
         entries.append((kernel, sig, launch))
     measured = oc.compile_many(entries, [s.name for s in arch_specs], cache_dir=cache_dir, progress=progress)
     reports = []
-    for res in (r for per_kernel in measured for r in per_kernel):
+    names = [spec.get("name") for spec in specs]
+    for name, res in ((n, r) for n, per_kernel in zip(names, measured) for r in per_kernel):
         occ = theoretical_occupancy(res.arch, res.registers_per_thread, res.num_warps,
                                     res.static_shared_bytes + res.dynamic_shared_bytes)
         waves: tuple[GridWaves, ...] = ()
@@ -531,7 +533,7 @@ def sweep_occupancy(
             waves = tuple(grid_waves(occ, grid, None if gpus is None else
                                      [g for g in gpus if _gpu_arch(g) == res.arch]))
         reports.append(KernelReport(
-            kernel=res.kernel, arch=res.arch, num_warps=res.num_warps, num_stages=res.num_stages,
+            kernel=name or res.kernel, arch=res.arch, num_warps=res.num_warps, num_stages=res.num_stages,
             constexprs=res.constexprs, registers_per_thread=res.registers_per_thread,
             spill_bytes=res.spill_store_bytes, spill_load_bytes=res.spill_load_bytes,
             local_bytes=res.local_bytes,

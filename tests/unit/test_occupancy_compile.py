@@ -199,14 +199,16 @@ def test_cli_builtin(reduction, cache_dir, capsys, monkeypatch):
     monkeypatch.delattr(meshkit.kernels, "builtin_kernel_specs", raising=False)
     assert _cli(["--builtin", "--arch", "sm_90", "--json"]) == 2
     assert "meshkit.kernels.builtin_kernel_specs()" in capsys.readouterr().err
-    spec = {"name": "row_sum_squares", "kernel": row_sum_squares,
+    spec = {"name": "sum_sq", "kernel": row_sum_squares,
             "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"},
             "constexprs": {"BLOCK": 1024}}
     monkeypatch.setattr(meshkit.kernels, "builtin_kernel_specs", lambda: [spec], raising=False)
     assert _cli(["--builtin", "--arch", "sm_80", "--num-warps", "2", "--json", "--cache-dir", cache_dir,
                  "--no-progress"]) == 0
     (rec,) = json.loads(capsys.readouterr().out)["reports"]
-    assert (rec["kernel"], rec["arch"], rec["num_warps"]) == ("row_sum_squares", "sm_80", 2)
+    assert (rec["kernel"], rec["arch"], rec["num_warps"]) == ("sum_sq", "sm_80", 2)
+    (fixture,) = [r for r in reduction[0] if r.arch == "sm_80" and r.num_warps == 2]
+    assert rec["registers_per_thread"] == fixture.registers_per_thread
 
 
 def test_in_process_compile_matches_the_worker(reduction, tmp_path):
