@@ -443,7 +443,8 @@ class KernelReport:
             "active_blocks_per_sm": occ.active_blocks_per_sm, "active_warps_per_sm": occ.active_warps_per_sm,
             "max_warps_per_sm": occ.max_warps_per_sm, "occupancy": occ.occupancy, "limiter": occ.limiter,
             "block_limits": dict(occ.block_limits), "hint": occ.hint,
-            "waves": [dataclasses.asdict(w) for w in self.waves],
+            "waves": [{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                       for k, v in dataclasses.asdict(w).items()} for w in self.waves],
         }
 
 

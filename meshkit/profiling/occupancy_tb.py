@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover
 
 from typing_extensions import override
 
-from meshkit.profiling.occupancy import LIMITERS, KernelReport, sweep_occupancy
+from meshkit.profiling.occupancy import ARCHS, LIMITERS, KernelReport, resolve_arch, sweep_occupancy
 
 __all__ = ["LaunchedKernel", "TritonKernelReport", "occupancy_markdown", "write_occupancy_tensorboard"]
 
@@ -181,6 +181,7 @@ class TritonKernelReport(Callback):
     # -- Lightning hooks ---------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
+        self.archs = [resolve_arch(a).name for a in (self.archs or self._default_archs())]  # fail early
         self.install()
 
     @override
@@ -195,7 +196,11 @@ class TritonKernelReport(Callback):
 
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
-            return [f"sm_{major}{minor}"]
+            arch = f"sm_{major}{minor}"
+            if arch not in ARCHS:
+                raise ValueError(f"TritonKernelReport: this GPU is {arch}, which the occupancy table lacks "
+                                 f"({', '.join(ARCHS)}); pass archs=[...] with targets from the table.")
+            return [arch]
         return ["sm_90"]
 
     def measure(self) -> list[KernelReport]:

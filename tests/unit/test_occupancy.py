@@ -139,6 +139,9 @@ def test_grid_waves_by_hand():
     # default: every model of the arch (H100 SXM, H100 PCIe, H200)
     hopper = sorted(g.name for g in GPUS.values() if g.arch == "sm_90")
     assert sorted(x.gpu for x in occ.waves(5000)) == hopper
+    # a kernel that cannot launch never finishes a wave
+    (w,) = grid_waves(theoretical_occupancy("sm_86", 32, 4, 100 * KIB), 10, ["A10"])
+    assert (w.blocks_per_wave, w.waves, w.tail_utilisation) == (0, math.inf, 0.0)
     with pytest.raises(ValueError, match="grid=0 must be a positive int"):
         grid_waves(occ, 0)
     with pytest.raises(ValueError, match="Unknown gpu='V100'"):

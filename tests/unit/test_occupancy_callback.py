@@ -2,6 +2,7 @@
 nothing, so the report is empty and says why (GPU runs are checked in tests/gpu/test_occupancy_gpu.py)."""
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -50,3 +51,14 @@ def test_cpu_run_reports_no_compiled_kernels_honestly(tmp_path):
     acc.Reload()
     (event,) = acc.Tensors("occupancy/table/text_summary")
     assert "TRITON_INTERPRET=1" in event.tensor_proto.string_val[0].decode()
+
+
+def test_unknown_arch_fails_at_fit_start(tmp_path):
+    data = torch.utils.data.TensorDataset(torch.randn(8, 64))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        callbacks=[TritonKernelReport(archs=["sm_75"])], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    module = _SumSquaresModule()
+    with pytest.raises(ValueError, match="Unknown arch='sm_75'"):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+    assert module.kernel_calls == 0  # raised before the first step

@@ -111,6 +111,10 @@ def test_autotune_configs_are_the_default():
     assert got == [(2, 2, {"BLOCK": 256}), (8, 3, {"BLOCK": 1024})]
     explicit = launch_configs(autotuned_scale, num_warps=[4, 8])
     assert [(c.num_warps, c.num_stages) for c in explicit] == [(4, 3), (8, 3)]
+    (cfg,) = launch_configs(row_sum_squares, configs=[{"num_warps": 2, "BLOCK": 64}])
+    assert (cfg.num_warps, cfg.num_stages, cfg.constexprs) == (2, 3, {"BLOCK": 64})
+    with pytest.raises(ValueError, match="give configs= or num_warps=/num_stages=, not both"):
+        launch_configs(row_sum_squares, configs=[{"num_warps": 2}], num_warps=4)
 
 
 @pytest.mark.parametrize("kwargs, match", [
