@@ -6,14 +6,13 @@ directory) and the later tests read it back from that cache.
 
 import json
 import os
-import time
 
 import pytest
 import torch
 
 import meshkit.kernels
 from meshkit.profiling import occupancy as occ_mod
-from meshkit.profiling.occupancy import kernel_occupancy, theoretical_occupancy
+from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
 from meshkit.profiling.occupancy_compile import KernelCompileError, build_signature, launch_configs
 from tests.fixtures.occupancy_kernels import autotuned_scale, broken_kernel, matmul_kernel, row_sum_squares
 
@@ -33,21 +32,29 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reduction(cache_dir):
-    t0 = time.perf_counter()
-    reps = kernel_occupancy(row_sum_squares, signature=RED_SIG, constexprs={"BLOCK": 1024}, num_warps=WARPS,
-                            archs=["sm_80", "sm_90"], grid=4096, cache_dir=cache_dir)
-    return reps, time.perf_counter() - t0
+def compiled(cache_dir):
+    """Both fixture kernels in one sweep (one pool of compile workers): 10 + 2 compiles."""
+    specs = [
+        {"kernel": row_sum_squares, "signature": RED_SIG, "constexprs": {"BLOCK": 1024},
+         "configs": [{"num_warps": w} for w in WARPS]},
+        {"kernel": matmul_kernel, "signature": MM_SIG, "constexprs": MM_CONST,
+         "configs": [{"num_warps": 8, "num_stages": 4}]},
+    ]
+    return sweep_occupancy(specs, archs=["sm_80", "sm_90"], grid=4096, cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="module")
-def matmul(cache_dir):
-    return kernel_occupancy(matmul_kernel, signature=MM_SIG, constexprs=MM_CONST, num_warps=8, num_stages=4,
-                            archs=["sm_80", "sm_90"], cache_dir=cache_dir)
+def reduction(compiled):
+    return [r for r in compiled if r.kernel == "row_sum_squares"]
+
+
+@pytest.fixture(scope="module")
+def matmul(compiled):
+    return [r for r in compiled if r.kernel == "matmul_kernel"]
 
 
 def test_reduction_registers_and_occupancy(reduction):
-    reps, _ = reduction
+    reps = reduction
     assert [(r.arch, r.num_warps) for r in reps] == [(a, w) for a in ("sm_80", "sm_90") for w in WARPS]
     for arch in ("sm_80", "sm_90"):
         by_w = {r.num_warps: r for r in reps if r.arch == arch}
@@ -68,14 +75,16 @@ def test_reduction_registers_and_occupancy(reduction):
 
 
 def test_results_come_back_from_the_cache(reduction, cache_dir):
-    first, _ = reduction
-    t0 = time.perf_counter()
+    first = reduction
     again = kernel_occupancy(row_sum_squares, signature=RED_SIG, constexprs={"BLOCK": 1024}, num_warps=WARPS,
                              archs=["sm_80", "sm_90"], grid=4096, cache_dir=cache_dir)
-    warm = time.perf_counter() - t0
     assert all(r.cached for r in again) and not any(r.cached for r in first)
     assert [r.to_dict() for r in again] == [r.to_dict() for r in first]
-    assert warm < 2.0  # no worker process is started for a fully cached sweep
+    # a different config is a different key: one new entry for 16-divisible N
+    before = len(os.listdir(cache_dir))
+    (new,) = kernel_occupancy(row_sum_squares, signature=RED_SIG.replace("N=i32", "N=i32:16"),
+                              constexprs={"BLOCK": 1024}, num_warps=4, archs=["sm_90"], cache_dir=cache_dir)
+    assert not new.cached and len(os.listdir(cache_dir)) == before + 1
 
 
 def test_tiled_matmul_is_limited_by_shared_memory_or_registers(matmul):
@@ -164,7 +173,7 @@ def _cli(argv):
 
 
 def test_cli_json_shape(reduction, cache_dir, capsys):
-    reps, _ = reduction
+    reps = reduction
     rc = _cli(["tests.fixtures.occupancy_kernels:row_sum_squares", "--signature", RED_SIG, "--constexpr",
                "BLOCK=1024", "--num-warps", "1,2,4,8,16", "--arch", "sm_80,H100", "--grid", "4096", "--json",
                "--cache-dir", cache_dir, "--no-progress"])
@@ -211,7 +220,7 @@ def test_cli_builtin(reduction, cache_dir, capsys, monkeypatch):
                  "--no-progress"]) == 0
     (rec,) = json.loads(capsys.readouterr().out)["reports"]
     assert (rec["kernel"], rec["arch"], rec["num_warps"]) == ("sum_sq", "sm_80", 2)
-    (fixture,) = [r for r in reduction[0] if r.arch == "sm_80" and r.num_warps == 2]
+    (fixture,) = [r for r in reduction if r.arch == "sm_80" and r.num_warps == 2]
     assert rec["registers_per_thread"] == fixture.registers_per_thread
 
 
@@ -237,5 +246,5 @@ def test_in_process_compile_matches_the_worker(reduction, tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     here = json.loads(proc.stdout.strip().splitlines()[-1])
-    (worker,) = [r for r in reduction[0] if r.arch == "sm_90" and r.num_warps == 4]
+    (worker,) = [r for r in reduction if r.arch == "sm_90" and r.num_warps == 4]
     assert here == worker.to_dict()
