@@ -6,7 +6,9 @@ Drawing is kept apart from the analysis: :func:`occupancy_markdown` is a pure fu
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -17,7 +19,8 @@ except ImportError:  # pragma: no cover
 
 from typing_extensions import override
 
-from meshkit.profiling.occupancy import ARCHS, LIMITERS, KernelReport, resolve_arch, sweep_occupancy
+from meshkit.profiling.occupancy import (ARCHS, LIMITERS, KernelReport, grid_waves, resolve_arch,
+                                        sweep_occupancy)
 
 __all__ = ["LaunchedKernel", "TritonKernelReport", "occupancy_markdown", "write_occupancy_tensorboard"]
 
@@ -96,17 +99,38 @@ class LaunchedKernel:
     constexprs: dict[str, Any]
     num_warps: int
     num_stages: int
-    launches: int = 0
     kernel: Any = field(default=None, repr=False)
+
+
+def _add_grid_to_launch_metadata():
+    """Make Triton's launch-hook metadata carry the grid (it holds name, function and stream only).
+
+    Wraps the private ``CompiledKernel.launch_metadata`` (checked on triton 3.8.0); returns the undo.
+    """
+    from triton.compiler.compiler import CompiledKernel
+
+    original = CompiledKernel.launch_metadata
+
+    def launch_metadata(self, grid, stream, *args):
+        ret = original(self, grid, stream, *args)
+        if ret is not None and isinstance(getattr(ret, "data", None), dict):
+            dims = tuple(int(g) for g in grid) + (1, 1, 1)
+            ret.data["meshkit_grid"] = dims[:3]
+        return ret
+
+    CompiledKernel.launch_metadata = launch_metadata
+    return lambda: setattr(CompiledKernel, "launch_metadata", original)
 
 
 class TritonKernelReport(Callback):
     """Reports, at fit end, every Triton kernel the run compiled and launched, with its occupancy per arch.
 
     It listens to Triton's ``jit_post_compile_hook`` (what was compiled: signature, constexprs, warps,
-    stages) and ``launch_enter_hook`` (how often each kernel ran). Under ``TRITON_INTERPRET=1`` (CPU runs)
-    Triton compiles and launches nothing, so the report is empty and says so. Reports go to the
-    trainer's TensorBoard logger (or ``log_dir``) and stay on ``self.reports``.
+    stages) and ``launch_enter_hook`` (how often each kernel ran, with which grid: ``self.grids``); each
+    report gets the waves of its kernel's most frequent grid on the GPU models of its arch. Under
+    ``TRITON_INTERPRET=1`` (CPU runs) Triton compiles and launches nothing, so the report is empty and
+    says so. Reports go to the trainer's TensorBoard logger (or ``log_dir``) and stay on
+    ``self.reports``.
 
     Example::
 
@@ -120,6 +144,8 @@ class TritonKernelReport(Callback):
         self.cache_dir = cache_dir
         self.kernels: dict[tuple, LaunchedKernel] = {}
         self.launches: dict[str, int] = {}
+        self.grids: dict[str, Counter] = {}
+        self._undo_grid_patch = None
         self.reports: list[KernelReport] = []
         self.note = ""
         self._prev_compile_hook = None
@@ -154,8 +180,11 @@ class TritonKernelReport(Callback):
         return None
 
     def _on_launch(self, metadata) -> None:
-        name = metadata.get()["name"]
+        data = metadata.get()
+        name = data["name"]
         self.launches[name] = self.launches.get(name, 0) + 1
+        if "meshkit_grid" in data:
+            self.grids.setdefault(name, Counter())[data["meshkit_grid"]] += 1
 
     def install(self) -> None:
         """Start listening (done at fit start)."""
@@ -166,6 +195,7 @@ class TritonKernelReport(Callback):
         self._prev_compile_hook = knobs.runtime.jit_post_compile_hook
         knobs.runtime.jit_post_compile_hook = self._on_compile
         knobs.runtime.launch_enter_hook.add(self._on_launch)
+        self._undo_grid_patch = _add_grid_to_launch_metadata()
         self._installed = True
 
     def uninstall(self) -> None:
@@ -176,6 +206,7 @@ class TritonKernelReport(Callback):
             return
         knobs.runtime.jit_post_compile_hook = self._prev_compile_hook
         knobs.runtime.launch_enter_hook.remove(self._on_launch)
+        self._undo_grid_patch()
         self._installed = False
 
     # -- Lightning hooks ---------------------------------------------------------------------------------
@@ -218,6 +249,10 @@ class TritonKernelReport(Callback):
                   "configs": [{"num_warps": rec.num_warps, "num_stages": rec.num_stages}]}
                  for rec in self.kernels.values()]
         reports = sweep_occupancy(specs, archs=archs, cache_dir=self.cache_dir)
+        for i, rep in enumerate(reports):
+            if self.grids.get(rep.kernel):
+                grid = self.grids[rep.kernel].most_common(1)[0][0]
+                reports[i] = dataclasses.replace(rep, waves=tuple(grid_waves(rep.occupancy, grid)))
         self.note = f"{len(self.kernels)} kernel specialisation(s), launches: {self.launches}"
         return reports
 

@@ -75,8 +75,10 @@ data = torch.utils.data.TensorDataset(torch.randn(128, 1000))
 trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=32))
-out["callback"] = dict(launches=cb.launches, kernels=[[r.kernel, r.arch, r.num_warps, r.registers_per_thread]
-                                                      for r in cb.reports])
+out["callback"] = dict(launches=cb.launches, grids={k: [[list(g), n] for g, n in c.items()]
+                                                    for k, c in cb.grids.items()},
+                      kernels=[[r.kernel, r.arch, r.num_warps, r.registers_per_thread] for r in cb.reports],
+                      wave_blocks=[sorted({w.blocks for w in r.waves}) for r in cb.reports])
 p = torch.cuda.get_device_properties(0)
 out["device"] = dict(name=p.name, sms=p.multi_processor_count, cap=list(cap),
                      threads_per_sm=p.max_threads_per_multi_processor,
@@ -146,6 +148,9 @@ def test_callback_records_the_launched_kernel(gpu_run):
     run, _ = gpu_run
     cb = run["callback"]
     assert cb["launches"].get("row_sum_squares") == 3
+    # batches of 32 rows, one program per row, on every one of the 3 steps
+    assert cb["grids"]["row_sum_squares"] == [[[32, 1, 1], 3]]
+    assert cb["wave_blocks"] == [[32]]
     assert [k[:3] for k in cb["kernels"]] == [["row_sum_squares", _arch(run), 4]]
     # the callback's offline figure for the run's own specialisation equals the loaded kernel's registers
     assert cb["kernels"][0][3] == run["reduction"]["n_regs"]

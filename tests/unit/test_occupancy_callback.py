@@ -30,7 +30,9 @@ class _SumSquaresModule(L.LightningModule):
 
 def test_cpu_run_reports_no_compiled_kernels_honestly(tmp_path):
     from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
 
+    launch_metadata = CompiledKernel.launch_metadata
     data = torch.utils.data.TensorDataset(torch.randn(8, 64))
     cb = TritonKernelReport(archs=["sm_90"], cache_dir=str(tmp_path / "cache"))
     module = _SumSquaresModule()
@@ -39,11 +41,12 @@ def test_cpu_run_reports_no_compiled_kernels_honestly(tmp_path):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
     assert module.kernel_calls == 2
-    assert cb.kernels == {} and cb.launches == {} and cb.reports == []
+    assert cb.kernels == {} and cb.launches == {} and cb.grids == {} and cb.reports == []
     assert "no Triton kernels were compiled or launched" in cb.note and "TRITON_INTERPRET=1" in cb.note
     # hooks are gone after fit
     assert knobs.runtime.jit_post_compile_hook is None
     assert cb._on_launch not in knobs.runtime.launch_enter_hook.calls
+    assert CompiledKernel.launch_metadata is launch_metadata
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
