@@ -73,6 +73,7 @@ cap = torch.cuda.get_device_capability()
 cb = TritonKernelReport(archs=[f"sm_{cap[0]}{cap[1]}"], cache_dir=sys.argv[1])
 data = torch.utils.data.TensorDataset(torch.randn(128, 1000))
 trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, callbacks=[cb], logger=False,
+                    default_root_dir=sys.argv[1],
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 trainer.fit(M(), torch.utils.data.DataLoader(data, batch_size=32))
 out["callback"] = dict(launches=cb.launches, grids={k: [[list(g), n] for g, n in c.items()]
