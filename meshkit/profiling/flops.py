@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -45,6 +46,11 @@ __all__ = [
     "register_peak",
     "normalize_dtype",
     "measured_cpu_peak",
+    "ModelShape",
+    "model_shape",
+    "model_flops_per_token",
+    "StepFlops",
+    "measure_step_flops",
 ]
 
 T = 1e12  # TFLOP/s
@@ -319,3 +325,208 @@ def measured_cpu_peak(dtype: Any = "fp32", *, recalibrate: bool = False) -> floa
             pass  # a read-only home only costs a recalibration next process
     _CPU_PEAK_CACHE[cache_key] = value
     return value
+
+
+# ------------------------------------------------------------------------- analytic model FLOPs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What PaLM's formula needs from a decoder-only transformer."""
+
+    n_params: int
+    """N: parameters excluding the input-embedding table (the LM head counts, tied or not)."""
+    n_layers: int
+    """L."""
+    n_heads: int
+    """H: query heads."""
+    head_dim: int
+    """Q: size of one head."""
+    seq_len: int | None = None
+    """T if the source knows it (max sequence length); callers usually pass the training one."""
+
+
+def _llama_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    # torchtitan / Meta Llama rule: 2/3 of 4·dim, scaled, rounded up to a multiple.
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _llama_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int,
+                  vocab: int) -> int:
+    attn = dim * n_heads * head_dim * 2 + dim * n_kv_heads * head_dim * 2  # wq, wo, wk, wv
+    mlp = 3 * dim * ffn  # SwiGLU w1, w2, w3
+    norms = 2 * dim
+    return n_layers * (attn + mlp + norms) + dim + vocab * dim  # + final norm + LM head
+
+
+def _get(obj: Any, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def model_shape(config: Any) -> ModelShape:
+    """Read a :class:`ModelShape` from a meshkit ``LlamaConfig``, a Hugging Face config (object or
+    dict; Llama-style SwiGLU MLP assumed when counting parameters), torchtitan-style args
+    (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``multiple_of``, ``ffn_dim_multiplier``),
+    or an ``nn.Module`` (parameters counted; shape read from its ``config`` attribute).
+
+    >>> from meshkit.models import LlamaConfig
+    >>> model_shape(LlamaConfig.tiny()).n_layers
+    4
+    """
+    if isinstance(config, ModelShape):
+        return config
+    if isinstance(config, torch.nn.Module):
+        inner = _get(config, "config", "model_args", "args")
+        if inner is None and hasattr(config, "model"):
+            inner = _get(config.model, "config", "model_args", "args")
+        if inner is None:
+            raise ValueError(
+                f"model_shape: `config={type(config).__name__}` is a module without a `config` attribute; "
+                "pass its config (HF, torchtitan args or LlamaConfig) or a ModelShape."
+            )
+        base = model_shape(inner)
+        seen: set[int] = set()
+        total = embed = 0
+        for mod in config.modules():
+            for p in mod.parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                total += p.numel()
+                if isinstance(mod, torch.nn.Embedding):
+                    embed += p.numel()
+        tied = any(isinstance(m, torch.nn.Linear) and id(m.weight) in
+                   {id(e.weight) for e in config.modules() if isinstance(e, torch.nn.Embedding)}
+                   for m in config.modules())
+        n = total - embed + (embed if tied else 0)
+        return ModelShape(n, base.n_layers, base.n_heads, base.head_dim, base.seq_len)
+    dim = _get(config, "hidden_size", "dim", "d_model", "n_embd")
+    n_layers = _get(config, "num_hidden_layers", "n_layers", "num_layers", "n_layer")
+    n_heads = _get(config, "num_attention_heads", "n_heads", "n_head")
+    vocab = _get(config, "vocab_size")
+    if None in (dim, n_layers, n_heads, vocab):
+        raise ValueError(
+            f"model_shape: `config={type(config).__name__}` lacks one of hidden size (hidden_size/dim), "
+            f"layers (num_hidden_layers/n_layers), heads (num_attention_heads/n_heads) or vocab_size "
+            f"(got dim={dim}, n_layers={n_layers}, n_heads={n_heads}, vocab_size={vocab}). Pass a ModelShape."
+        )
+    n_kv = _get(config, "num_key_value_heads", "n_kv_heads", default=n_heads)
+    head_dim = _get(config, "head_dim", default=None)
+    if not isinstance(head_dim, int):  # LlamaConfig.head_dim is a property, HF may set None
+        head_dim = dim // n_heads
+    ffn = _get(config, "intermediate_size", "ffn_dim", "hidden_dim")
+    if ffn is None:
+        ffn = _llama_ffn(dim, _get(config, "multiple_of", default=256), _get(config, "ffn_dim_multiplier"))
+    n = _llama_params(dim, n_layers, n_heads, n_kv, head_dim, ffn, vocab)
+    seq = _get(config, "max_seq_len", "max_position_embeddings", "seq_len")
+    return ModelShape(int(n), int(n_layers), int(n_heads), int(head_dim), seq)
+
+
+def model_flops_per_token(config: Any, seq_len: int | None = None, *, causal: bool = False) -> float:
+    """Training FLOPs per token, forward + backward: ``6·N + 12·L·H·Q·T``.
+
+    PaLM (Chowdhery et al. 2022) appendix B. Conventions, stated because they move MFU:
+
+    - N excludes the input-embedding table (a lookup, no FLOPs) and includes the LM head
+      (a matmul), once, even when it is tied to the embedding; norm weights are included
+      (they are < 0.01% of N), as torchtitan counts.
+    - The attention term counts the full T×T score and value matmuls (``causal=False``), as PaLM,
+      torchtitan and published MFU figures do, although a causal kernel skips about half;
+      ``causal=True`` halves it (``6·L·H·Q·T``).
+    - Recompute is not model work: use :func:`measure_step_flops` for hardware FLOPs (HFU).
+
+    >>> from meshkit.profiling.flops import ModelShape
+    >>> model_flops_per_token(ModelShape(n_params=1000, n_layers=2, n_heads=4, head_dim=8), seq_len=16)
+    18288.0
+    """
+    shape = model_shape(config)
+    t = seq_len if seq_len is not None else shape.seq_len
+    if not isinstance(t, int) or t < 1:
+        raise ValueError(f"model_flops_per_token: `seq_len={t!r}` must be a positive int (the training length).")
+    attn = 12 * shape.n_layers * shape.n_heads * shape.head_dim * t
+    return float(6 * shape.n_params + (attn / 2 if causal else attn))
+
+
+# ------------------------------------------------------------------------ measured step FLOPs
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one training step as counted by ``FlopCounterMode``."""
+
+    forward: float
+    """Forward pass."""
+    backward: float
+    """Backward pass, including any activation recompute it triggers."""
+
+    @property
+    def hardware(self) -> float:
+        """Everything executed: forward + backward (+ recompute). HFU's numerator."""
+        return self.forward + self.backward
+
+    @property
+    def model(self) -> float:
+        """Model FLOPs by the usual 'backward = 2 × forward' rule: 3 × forward. MFU's numerator."""
+        return 3 * self.forward
+
+    @property
+    def recompute(self) -> float:
+        """Hardware minus model FLOPs (0 without activation checkpointing)."""
+        return max(self.hardware - self.model, 0.0)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta") if x.device.type != "meta" else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, Mapping):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+def _meta_clone(model: torch.nn.Module) -> torch.nn.Module:
+    # deepcopy with every parameter and buffer pre-mapped to a meta twin: no real memory is copied,
+    # and activation recompute in backward runs on the same meta weights.
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def measure_step_flops(model: torch.nn.Module, *inputs: Any,
+                       loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepFlops:
+    """Count one forward + backward of ``model(*inputs)`` on meta tensors (no memory, no compute).
+
+    The model is cloned with meta parameters and buffers (no real memory is copied), so the
+    real model is untouched. Activation checkpointing inside ``model`` re-runs its
+    forward during backward and is counted in ``backward`` (hence in :attr:`StepFlops.hardware`).
+    ``loss_fn`` maps the output to a scalar (default: ``output.float().sum()``).
+
+    >>> from meshkit.models import LlamaConfig, Transformer
+    >>> f = measure_step_flops(Transformer(LlamaConfig.tiny()), torch.zeros(2, 16, dtype=torch.long))
+    >>> f.recompute
+    0.0
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    meta_model = _meta_clone(model)
+    meta_inputs = _to_meta(inputs)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = meta_model(*meta_inputs)
+    forward = counter.get_total_flops()
+    loss = loss_fn(out) if loss_fn is not None else (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss.backward()
+    return StepFlops(float(forward), float(counter.get_total_flops()))

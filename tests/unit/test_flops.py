@@ -100,3 +100,110 @@ def test_cpu_peak_is_measured_and_cached(monkeypatch, tmp_path):
     assert peak_flops("cpu", "fp32") == info.flops  # disk cache, no recalibration
     assert len(calls) == 1
     assert (tmp_path / "meshkit" / "cpu_peak.json").exists()
+
+
+# ------------------------------------------------------------------------------ FLOPs per token
+
+LLAMA3_8B_TITAN = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                       multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000)
+
+
+def _llama3_8b_n_by_hand() -> int:
+    d, kv, ffn, vocab = 4096, 8 * 128, 14336, 128256
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d  # wq wo, wk wv, SwiGLU, two RMSNorms
+    n = 32 * per_layer + d + vocab * d  # + final norm + LM head; the embedding table is excluded
+    assert n + vocab * d == 8_030_261_248  # the published Llama-3-8B parameter count
+    return n
+
+
+def test_llama3_8b_torchtitan_args_by_hand():
+    n = _llama3_8b_n_by_hand()
+    shape = F.model_shape(LLAMA3_8B_TITAN)
+    assert (shape.n_params, shape.n_layers, shape.n_heads, shape.head_dim) == (n, 32, 32, 128)
+    t = 8192
+    expected = 6 * n + 12 * 32 * 32 * 128 * t  # = 57_914_449_920
+    assert expected == 57_914_449_920
+    assert F.model_flops_per_token(LLAMA3_8B_TITAN, seq_len=t) == expected
+    assert F.model_flops_per_token(LLAMA3_8B_TITAN, seq_len=t, causal=True) == 6 * n + 6 * 32 * 32 * 128 * t
+
+
+# Meta-Llama-3-8B's config.json fields (importing transformers costs ~15 s on this machine; the
+# reader only uses attribute / key access, checked both ways).
+HF_LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                "max_position_embeddings": 8192, "tie_word_embeddings": False, "model_type": "llama"}
+
+
+def test_llama3_8b_hf_config_matches():
+    import types
+
+    for cfg in (HF_LLAMA3_8B, types.SimpleNamespace(**HF_LLAMA3_8B, head_dim=None)):
+        assert F.model_shape(cfg).n_params == _llama3_8b_n_by_hand()
+        assert F.model_flops_per_token(cfg) == 57_914_449_920  # T from max_position_embeddings
+
+
+def test_tiny_meshkit_config_by_hand():
+    from meshkit.models import LlamaConfig, Transformer
+
+    cfg = LlamaConfig.tiny()  # dim 64, 4 layers, 4 heads (hd 16), 2 kv heads, vocab 256, ffn 32*ceil(170/32)=192
+    assert cfg.ffn_dim == 192
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64
+    n = 4 * per_layer + 64 + 256 * 64
+    assert F.model_shape(cfg).n_params == n == 213_568
+    assert F.model_flops_per_token(cfg, seq_len=16) == 6 * n + 12 * 4 * 4 * 16 * 16
+    # Counting the module's own parameters gives the same N (embedding excluded, head kept).
+    assert F.model_shape(Transformer(cfg)).n_params == n
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"seq_len=0.*positive int"):
+        F.model_flops_per_token(LLAMA3_8B_TITAN, seq_len=0)
+    with pytest.raises(ValueError, match=r"lacks one of hidden size"):
+        F.model_shape({"dim": 8})
+    with pytest.raises(ValueError, match=r"module without a `config`"):
+        F.model_shape(torch.nn.Linear(2, 2))
+
+
+class _Checkpointed(torch.nn.Module):
+    """The tiny Llama with every block under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        m = self.inner
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        from meshkit.models.llama import rope_cos_sin
+
+        cos, sin = rope_cos_sin(pos, m.config.head_dim, m.config.rope_theta)
+        h = m.tok_embeddings(tokens)
+        for layer in m.layers.values():
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+        return m.output(m.norm(h))
+
+
+def test_measured_flops_match_formula_and_count_recompute():
+    from meshkit.models import LlamaConfig, Transformer
+
+    cfg = LlamaConfig.tiny()
+    model = Transformer(cfg)
+    b, t = 2, 16
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    plain = F.measure_step_flops(model, tokens)
+    assert plain.backward == 2 * plain.forward and plain.recompute == 0
+    # The formula's N includes norm weights, which do no matmul work: 6 * 576 per token.
+    norm_params = 4 * 2 * 64 + 64
+    assert F.model_flops_per_token(cfg, seq_len=t) * b * t - plain.model == 6 * norm_params * b * t
+    ckpt = F.measure_step_flops(_Checkpointed(model), tokens)
+    # The blocks' forward is re-run in backward, except (a) the LM head, outside any checkpoint:
+    # 2·B·T·dim·vocab, and (b) each block's last matmul w2 (2·B·T·ffn·dim): non-reentrant
+    # checkpointing stops recomputing once every saved tensor is back, and w2's output is not saved.
+    head = 2 * b * t * 64 * 256
+    w2 = 4 * 2 * b * t * 192 * 64
+    assert ckpt.model == plain.model
+    assert ckpt.recompute == plain.forward - head - w2
+    assert ckpt.hardware == plain.hardware + ckpt.recompute
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the real model is untouched
