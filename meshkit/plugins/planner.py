@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -310,7 +311,7 @@ def zero3_buffer_bytes(layer_params: float, param_bytes: float = 2.0, grad_bytes
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
                                sequence_parallel: bool = False, attention_scores: bool = True,
-                               checkpointing: str = "none") -> float:
+                               checkpointing: str = "none", ffn: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
@@ -319,6 +320,9 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     selective recomputation (§5) drops the 5·a·s/h attention-score term, as FlashAttention does
     (``attention_scores=False``: it never stores the s×s scores); full recomputation keeps only the
     layer input, 2·s·b·h (÷ t with sequence parallelism).
+    The paper's 24/t is 8 (attention) + 16 (a 4h GELU MLP's two 4h outputs); a SwiGLU MLP of width
+    ``ffn`` = f stores three f-wide outputs (w1, w3, their product), so with ``ffn`` given 24 becomes
+    8 + 6·f/h (the same 24 at Llama's f = 8h/3; 27.5 at Llama-3-405B's f = 3.25h).
 
     >>> activation_bytes_per_layer(2048, 1, 12288, 96, 8) / 2**20   # GPT-3 175B, t=8: 23·s·b·h
     552.0
@@ -326,12 +330,13 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
     sbh = float(seq) * micro_batch * hidden
+    sharded = 24.0 if ffn is None else 8.0 + 6.0 * ffn / hidden
     if checkpointing == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)
     scores = 5 * heads * seq / (hidden * tp) if attention_scores and checkpointing == "none" else 0.0
     if sequence_parallel:
-        return sbh * (34 / tp + scores)
-    return sbh * (10 + 24 / tp + scores)
+        return sbh * ((10 + sharded) / tp + scores)
+    return sbh * (10 + sharded / tp + scores)
 
 
 def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
@@ -501,6 +506,9 @@ def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq
 # ============================================================================ layouts
 
 
+LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute")
+
+
 @dataclass
 class Layout:
     """One layout of the cluster and what the planner predicts for it."""
@@ -517,35 +525,55 @@ class Layout:
     microbatches: int
     """Micro-batches per step per data-parallel rank: m = B / (b · dp)."""
     activation_checkpointing: str
+    """"none", "selective" or "full"."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule); 1 otherwise."""
     model_state_gb: float = 0.0
+    """Weights, gradients, optimizer state (and ZeRO-3 gather buffers) per GPU."""
     activation_gb: float = 0.0
+    """Activations kept for backward on the busiest stage, plus the fp32 logits."""
     memory_gb: float = 0.0
     memory_limit_gb: float = 0.0
+    """Usable memory per GPU: the device's less the margin."""
     bubble_fraction: float = 0.0
     tp_comm_ratio: float = 0.0
-    """TP communication time / compute time."""
+    """TP communication time / compute time (TP collectives are not overlapped)."""
     pp_comm_ratio: float = 0.0
     cp_comm_ratio: float = 0.0
     dp_comm_ratio: float = 0.0
     """Data-parallel communication time / compute time (before overlap)."""
     dp_overlap_ok: bool = True
-    """Tokens per dp rank ≥ F/W (:func:`dp_overlap_tokens`)."""
+    """Tokens per dp rank ≥ F/W (:func:`dp_overlap_tokens`): the gradient sync can hide behind compute."""
     tp_intra_node: bool = True
     step_time_s: float = 0.0
     predicted_mfu: float = 0.0
     feasible: bool = False
-    reason: str = ""
-    losses_s: dict[str, float] = field(default_factory=dict, repr=False)
-    """Seconds each overhead adds to the step: bubble, tp, pp, cp, dp, recompute."""
+    losses: tuple[float, ...] = field(default=(0.0,) * len(LOSSES), repr=False)
+    """Seconds each overhead adds to the step, in the order of :data:`LOSSES`."""
 
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.pp * self.cp * self.tp
 
+    @property
+    def losses_s(self) -> dict[str, float]:
+        return dict(zip(LOSSES, self.losses))
+
+    @property
+    def reason(self) -> str:
+        """One line: why it does not fit, or what costs it the most."""
+        if not self.feasible:
+            return (f"does not fit: {self.memory_gb:.1f} GB > {self.memory_limit_gb:.1f} GB usable "
+                    f"(states {self.model_state_gb:.1f} + activations {self.activation_gb:.1f})")
+        mem = f"{self.memory_gb:.1f}/{self.memory_limit_gb:.1f} GB"
+        worst = max(self.losses)
+        if worst <= 0.02 * self.step_time_s:
+            return f"compute-bound, overheads under 2% of the step; {mem}"
+        key = LOSSES[self.losses.index(worst)]
+        return f"largest loss: {_loss_phrase(self, key)}, {worst / self.step_time_s:.0%} of the step; {mem}"
+
     def describe(self) -> str:
-        """Short spelling: ``tp=8 pp=16 dp_shard=128 zero1 1f1b m=16 ac=full``."""
+        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
         parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "pp", "cp", "tp") if getattr(self, a) > 1]
         parts.append(f"zero{self.zero_stage}")
         if self.pp > 1:
@@ -558,16 +586,14 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         """The JSON record (``meshkit plan --json``)."""
         keys = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero_stage", "schedule", "microbatches",
-                "virtual_stages", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb", "memory_limit_gb",
-                "bubble_fraction", "tp_comm_ratio", "pp_comm_ratio", "cp_comm_ratio", "dp_comm_ratio",
-                "dp_overlap_ok", "tp_intra_node", "step_time_s", "predicted_mfu", "feasible", "reason")
+                "virtual_stages", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb",
+                "memory_limit_gb", "bubble_fraction", "tp_comm_ratio", "pp_comm_ratio", "cp_comm_ratio",
+                "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "step_time_s", "predicted_mfu", "feasible",
+                "reason")
         out = {k: getattr(self, k) for k in keys}
-        for k, v in out.items():
-            if isinstance(v, float):
-                out[k] = round(v, 6)
-        return out
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
-    def to_parallel_dims(self) -> "Any":
+    def to_parallel_dims(self) -> Any:
         """The :class:`~meshkit.plugins.dims.ParallelDims` of this layout."""
         from meshkit.plugins.dims import ParallelDims
 
@@ -577,23 +603,19 @@ class Layout:
 
 @dataclass
 class _Ctx:
-    """Everything resolved once per plan."""
+    """Everything resolved once per plan (bytes, seconds, FLOP/s)."""
 
     model: ModelSpec
     seq: int
     batch: int
     micro: int
-    nodes: int
     gpn: int
-    memory: float  # bytes usable per GPU (after the margin)
-    memory_total: float
-    intra_bw: float
-    inter_bw: float
-    intra_lat: float
-    inter_lat: float
+    world: int
+    memory: float  # usable bytes per GPU (after the margin)
+    intra: tuple[float, float]  # (bandwidth, per-step latency) inside a node
+    inter: tuple[float, float]  # across nodes
     peak: float
     achieved: float
-    margin: float
     optimizer_bytes: float
     zero_stages: tuple[int, ...]
     schedules: tuple[str, ...]
@@ -604,23 +626,39 @@ class _Ctx:
     max_pp: int
     max_cp: int
     max_tp: int
+    # derived once in __post_init__
+    model_flops: float = 0.0
+    compute: dict[str, float] = field(default_factory=dict)  # seconds of compute per GPU per step, by checkpointing
+    recompute: dict[str, float] = field(default_factory=dict)
+    attention_time: float = 0.0
 
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpn
+    def __post_init__(self) -> None:
+        mdl = self.model
+        self.layer_params, self.vocab_params = mdl.layer_params, mdl.vocab_params
+        tokens = self.batch * self.seq
+        per_token = training_flops_per_token(mdl.matmul_params, mdl.layers, mdl.hidden, self.seq)
+        self.model_flops = per_token * tokens
+        # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
+        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5.
+        extra = {"none": 0.0, "selective": 4.0 * mdl.layers * mdl.hidden * self.seq,
+                 "full": 2.0 * mdl.matmul_params + 4.0 * mdl.layers * mdl.hidden * self.seq}
+        for ac, flops in extra.items():
+            self.recompute[ac] = flops * tokens / self.world / self.achieved
+            self.compute[ac] = (per_token + flops) * tokens / self.world / self.achieved
+        self.attention_time = 12.0 * mdl.layers * mdl.hidden * self.seq * tokens / self.world / self.achieved
+
+    def link(self, inner: int) -> tuple[float, float]:
+        """(bandwidth, latency) of an axis whose groups span ``inner`` consecutive ranks (its degree × inner degrees)."""
+        return self.intra if inner <= self.gpn and self.gpn % inner == 0 else self.inter
 
 
+@functools.lru_cache(maxsize=256)
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _intra(inner: int, gpn: int) -> bool:
-    """An axis whose group spans ``inner`` consecutive ranks (its degree × the degrees inside it) stays in a node."""
-    return inner <= gpn and gpn % inner == 0
-
-
 def _structural_rule(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> str | None:
-    """Why (r, d, p, c, t) cannot run at all, or None. Each rule is one short sentence (grouped in Plan.rejected)."""
+    """Why (r, d, p, c, t) cannot run at all, or None. Each rule is one sentence (counted in Plan.rejected)."""
     m = ctx.model
     if t > ctx.max_tp or p > ctx.max_pp or c > ctx.max_cp:
         return "the caller allows at most " + ", ".join(
@@ -650,114 +688,90 @@ def _enumerate(ctx: _Ctx) -> tuple[list[Layout], dict[str, int]]:
                 for c in _divisors(w // (r * d * p)):
                     t = w // (r * d * p * c)
                     rule = _structural_rule(ctx, r, d, p, c, t)
-                    if rule is not None:
+                    if rule is None:
+                        layouts.extend(_layouts_for(ctx, r, d, p, c, t))
+                    else:
                         rejected[rule] = rejected.get(rule, 0) + 1
-                        continue
-                    layouts.extend(_layouts_for(ctx, r, d, p, c, t))
     return layouts, rejected
 
 
-def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> Iterable[Layout]:
-    m = ctx.batch // (ctx.micro * r * d)
-    shard = d * c
-    zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0) or (3,)
+def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layout]:
+    """Every (zero stage, schedule, checkpointing) variant of one set of degrees, fully evaluated."""
+    mdl, b = ctx.model, ctx.micro
+    m = ctx.batch // (b * r * d)
+    shard, s_local, layers_stage = d * c, ctx.seq // c, math.ceil(mdl.layers / p)
+
+    # ---- memory pieces (the busiest stage: the first stage's in-flight activations, plus the vocab matrices) ----
+    vocab_mats = (1 if mdl.tied_embeddings else 2) if p == 1 else 1
+    params_gpu = (layers_stage * ctx.layer_params + vocab_mats * ctx.vocab_params) / t
+    sp = ctx.sp and t > 1
+    per_layer = {ac: activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
+                                                attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn)
+                 for ac in ctx.checkpointing}
+    working = {ac: per_layer.get("none") if ac == "full" else 0.0 for ac in ctx.checkpointing}
+    if "full" in working:  # the layer being recomputed holds its full activations once
+        working["full"] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
+                                                     attention_scores=not ctx.flash, ffn=mdl.ffn)
+    logits = 8.0 * s_local * b * mdl.vocab / t  # fp32 logits and their gradient for the micro-batch in the loss
+
+    # ---- communication that does not depend on the variant ----
+    # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch, not overlapped.
+    tp_link = ctx.link(t)
+    tp_time = {ac: ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full") * layers_stage * m,
+                             (6 if ac == "full" else 4) * layers_stage * m * 2 * (t - 1), *tp_link)
+               for ac in ctx.checkpointing}
+    # CP: ring hops hide behind the attention they feed; 2(c−1) message rounds per layer per micro-batch.
+    cp_time = ring_time(cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) * layers_stage * m,
+                        2 * (c - 1) * layers_stage * m, *ctx.link(c * t)) if c > 1 else 0.0
+    cp_exposed = max(0.0, cp_time - ctx.attention_time)
+    pp_link = ctx.link(p * c * t)
+    shard_link, rep_link = ctx.link(d * p * c * t), ctx.link(ctx.world)
+    dp_bw = shard_link[0] if shard > 1 else rep_link[0]
+    overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
+
     runs: list[tuple[str, int]] = [("none", 1)]
-    if p > 1:
-        # interleaved needs v·p model chunks of at least one layer and m a multiple of p (Megatron-LM's rule)
+    if p > 1:  # interleaved needs v·p chunks of ≥ 1 layer and m a multiple of p (Megatron-LM's rule)
         runs = [(s, 1) for s in ctx.schedules if s != "interleaved"] + [
             ("interleaved", v) for v in ctx.virtual_stages
-            if "interleaved" in ctx.schedules and ctx.model.layers >= p * v and m % p == 0]
+            if "interleaved" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
+    zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0) or (3,)
+
+    out: list[Layout] = []
     for z in zeros:
-        for s, v in runs:
+        states = model_state_bytes(params_gpu, z, shard, ctx.optimizer_bytes)
+        if z == 3:
+            states += zero3_buffer_bytes(ctx.layer_params / t)
+        # DP: per-block collectives (FSDP / ZeRO buckets ~ one per layer) over the shard group, then the replicas.
+        over_shard, over_rep = dp_bytes_per_step(params_gpu, z, shard, r, m)
+        scatters = m if z >= 2 else 1
+        gathers = 2 * m if z == 3 else (1 if z else 0)
+        dp_time = (ring_time(over_shard, layers_stage * (scatters + gathers) * (shard - 1), *shard_link)
+                   + ring_time(over_rep, layers_stage * (scatters if z else 1) * 2 * (r - 1), *rep_link))
+        for sched, v in runs:
+            inflight = inflight_microbatches(sched, p, m, v)
+            bubble = bubble_fraction(sched, p, m, v)
+            # one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
+            pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
+                if p > 1 else 0.0
             for ac in ctx.checkpointing:
-                yield _evaluate(ctx, Layout(r, d, p, c, t, z, s, m, ac, v))
-
-
-def _evaluate(ctx: _Ctx, lay: Layout) -> Layout:
-    """Fill in memory, communication, bubble, step time, MFU, feasibility and the reason."""
-    mdl, r, d, p, c, t = ctx.model, lay.dp_replicate, lay.dp_shard, lay.pp, lay.cp, lay.tp
-    m, z, ac, b = lay.microbatches, lay.zero_stage, lay.activation_checkpointing, ctx.micro
-    s_local = ctx.seq // c
-    layers_stage = math.ceil(mdl.layers / p)
-    shard = d * c
-
-    # ---- memory (the busiest stage: first stage's in-flight activations, plus the vocab matrices) ----
-    vocab_mats = (1 if mdl.tied_embeddings else 2) if p == 1 else 1
-    params_gpu = (layers_stage * mdl.layer_params + vocab_mats * mdl.vocab_params) / t
-    states = model_state_bytes(params_gpu, z, shard, ctx.optimizer_bytes)
-    if z == 3:
-        states += zero3_buffer_bytes(mdl.layer_params / t)
-    sp = ctx.sp and t > 1
-    per_layer = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                           attention_scores=not ctx.flash, checkpointing=ac)
-    acts = per_layer * layers_stage * inflight_microbatches(lay.schedule, p, m, lay.virtual_stages)
-    if ac == "full":  # the layer being recomputed holds its full activations once
-        acts += activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                           attention_scores=not ctx.flash)
-    acts += 8.0 * s_local * b * mdl.vocab / t  # fp32 logits and their gradient for the micro-batch in the loss
-    memory = states + acts
-
-    # ---- time ----
-    tokens = ctx.batch * ctx.seq
-    per_token = training_flops_per_token(mdl.matmul_params, mdl.layers, mdl.hidden, ctx.seq)
-    model_flops = per_token * tokens
-    recompute_per_token = {"none": 0.0, "selective": 4.0 * mdl.layers * mdl.hidden * ctx.seq,
-                           "full": 2.0 * mdl.matmul_params + 4.0 * mdl.layers * mdl.hidden * ctx.seq}[ac]
-    compute = (per_token + recompute_per_token) * tokens / ctx.world / ctx.achieved
-    recompute = recompute_per_token * tokens / ctx.world / ctx.achieved
-    bubble = bubble_fraction(lay.schedule, p, m, lay.virtual_stages)
-    bubble_time = compute * bubble / (1 - bubble)
-
-    def link(inner: int) -> tuple[float, float]:  # (bandwidth, per-step latency) of an axis group
-        return (ctx.intra_bw, ctx.intra_lat) if _intra(inner, ctx.gpn) else (ctx.inter_bw, ctx.inter_lat)
-
-    # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch, not overlapped
-    n_tp = (6 if ac == "full" else 4) * layers_stage * m
-    tp_time = ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full") * layers_stage * m,
-                        n_tp * 2 * (t - 1), *link(t))
-    # PP: one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
-    v = lay.virtual_stages
-    pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *link(p * c * t)) \
-        if p > 1 else 0.0
-    # CP: the ring hops hide behind the attention they feed (2(c−1) message rounds per layer per micro-batch)
-    cp_time = ring_time(cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) * layers_stage * m,
-                        2 * (c - 1) * layers_stage * m, *link(c * t)) if c > 1 else 0.0
-    attention_time = 12.0 * mdl.layers * mdl.hidden * ctx.seq * tokens / ctx.world / ctx.achieved
-    cp_exposed = max(0.0, cp_time - attention_time)
-
-    # DP: per-block collectives (FSDP / ZeRO bucket per layer) over the shard group, then the replicate group
-    over_shard, over_rep = dp_bytes_per_step(params_gpu, z, shard, r, m)
-    scatters = m if z >= 2 else 1
-    gathers = 2 * m if z == 3 else (1 if z else 0)
-    shard_steps = layers_stage * (scatters + gathers) * (shard - 1)
-    rep_steps = layers_stage * (scatters if z else 1) * 2 * (r - 1)
-    shard_bw, shard_lat = link(d * p * c * t)
-    rep_bw, rep_lat = link(r * d * p * c * t)
-    dp_time = ring_time(over_shard, shard_steps, shard_bw, shard_lat) + ring_time(over_rep, rep_steps, rep_bw, rep_lat)
-    # ZeRO-3 prefetches forward all-gathers behind forward compute; the others hide behind backward (2/3).
-    dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
-    dp_bw = shard_bw if shard > 1 else rep_bw
-    tokens_per_rank = tokens / (r * d)
-
-    step = compute + bubble_time + tp_time + pp_time + cp_exposed + dp_exposed
-    lay.model_state_gb = states / GiB
-    lay.activation_gb = acts / GiB
-    lay.memory_gb = memory / GiB
-    lay.memory_limit_gb = ctx.memory / GiB
-    lay.bubble_fraction = bubble
-    lay.tp_comm_ratio = tp_time / compute
-    lay.pp_comm_ratio = pp_time / compute
-    lay.cp_comm_ratio = cp_time / compute
-    lay.dp_comm_ratio = dp_time / compute
-    lay.dp_overlap_ok = r * d == 1 or tokens_per_rank >= dp_overlap_tokens(ctx.achieved, dp_bw)
-    lay.tp_intra_node = _intra(t, ctx.gpn)
-    lay.step_time_s = step
-    lay.predicted_mfu = model_flops / (ctx.world * ctx.peak * step)
-    lay.feasible = memory <= ctx.memory
-    lay.losses_s = {"bubble": bubble_time, "tp": tp_time, "pp": pp_time, "cp": cp_exposed, "dp": dp_exposed,
-                    "recompute": recompute}
-    lay.reason = _reason(lay, states, acts)
-    return lay
+                acts = per_layer[ac] * layers_stage * inflight + working[ac] + logits
+                memory = states + acts
+                compute = ctx.compute[ac]
+                bubble_time = compute * bubble / (1 - bubble)
+                # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3).
+                dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
+                step = compute + bubble_time + tp_time[ac] + pp_time + cp_exposed + dp_exposed
+                out.append(Layout(
+                    r, d, p, c, t, z, sched, m, ac, v,
+                    model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
+                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble,
+                    tp_comm_ratio=tp_time[ac] / compute, pp_comm_ratio=pp_time / compute,
+                    cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute, dp_overlap_ok=overlap_ok,
+                    tp_intra_node=tp_link is ctx.intra, step_time_s=step,
+                    predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
+                    losses=(bubble_time, tp_time[ac], pp_time, cp_exposed, dp_exposed, ctx.recompute[ac]),
+                ))
+    return out
 
 
 def _loss_phrase(lay: Layout, key: str) -> str:
@@ -773,25 +787,15 @@ def _loss_phrase(lay: Layout, key: str) -> str:
     if key == "dp":
         group = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "DDP"
         return f"{group} traffic {lay.dp_comm_ratio:.2f}× compute, not hidden"
-    return f"{lay.activation_checkpointing} recompute"
-
-
-def _reason(lay: Layout, states: float, acts: float) -> str:
-    if not lay.feasible:
-        return (f"does not fit: {lay.memory_gb:.1f} GB > {lay.memory_limit_gb:.1f} GB usable "
-                f"(states {states / GiB:.1f} + activations {acts / GiB:.1f})")
-    key, worst = max(lay.losses_s.items(), key=lambda kv: kv[1])
-    mem = f"{lay.memory_gb:.1f}/{lay.memory_limit_gb:.1f} GB"
-    if worst <= 0.02 * lay.step_time_s:
-        return f"compute-bound, overheads under 2% of the step; {mem}"
-    return f"largest loss: {_loss_phrase(lay, key)}, {worst / lay.step_time_s:.0%} of the step; {mem}"
+    return f"{lay.activation_checkpointing} activation recompute"
 
 
 def _rank_key(lay: Layout) -> tuple:
-    # fastest first; ties go to fewer parallel axes, then less memory
-    axes = sum(1 for a in (lay.dp_replicate, lay.pp, lay.cp, lay.tp) if a > 1)
-    return (not lay.feasible, round(lay.step_time_s, 9) if lay.feasible else lay.memory_gb, axes, lay.tp,
-            lay.zero_stage, lay.memory_gb)
+    # feasible first, fastest first; ties go to fewer parallel axes, smaller tp, lower ZeRO stage, less memory.
+    # Infeasible ones follow, closest to fitting first.
+    axes = (lay.dp_replicate > 1) + (lay.pp > 1) + (lay.cp > 1) + (lay.tp > 1)
+    primary = round(lay.step_time_s, 9) if lay.feasible else lay.memory_gb
+    return (not lay.feasible, primary, axes, lay.tp, lay.zero_stage, lay.memory_gb)
 
 
 # ============================================================================ the plan
@@ -822,17 +826,22 @@ class Plan:
         if best is None:
             return self._why_infeasible()
         text = (f"best: {best.describe()}: {best.step_time_s:.3g} s/step, predicted MFU {best.predicted_mfu:.1%}, "
-                f"{best.memory_gb:.1f}/{best.memory_limit_gb:.1f} GB")
-        others = self.feasible[1:]
-        if not others:
-            return text + "; the only layout that fits."
-        runner = others[0]
-        gaps = {k: runner.losses_s.get(k, 0.0) - best.losses_s.get(k, 0.0) for k in best.losses_s}
-        key = max(gaps, key=lambda k: gaps[k])
-        why = f"the runner-up ({runner.describe()}) loses most to {_loss_phrase(runner, key)}"
-        if gaps[key] <= 0:
-            why = f"the runner-up ({runner.describe()}) is within rounding"
-        return text + f"; {runner.step_time_s / best.step_time_s:.2f}× faster than the runner-up: {why}."
+                f"{best.memory_gb:.1f}/{best.memory_limit_gb:.1f} GB ({best.reason.split(';')[0]})")
+        shape = (best.pp, best.cp, best.tp)
+        # The runner-up is the best layout with other pp/cp/tp degrees; variants that only split dp
+        # differently (dp_replicate vs dp_shard) or change the ZeRO stage are near-ties, counted.
+        ties = sum(1 for lay in self.feasible[1:] if (lay.pp, lay.cp, lay.tp) == shape
+                   and lay.step_time_s <= best.step_time_s * 1.01)
+        if ties:
+            text += f"; {ties} variant(s) with the same pp/cp/tp (other dp split or ZeRO stage) are within 1%"
+        runner = next((lay for lay in self.feasible if (lay.pp, lay.cp, lay.tp) != shape), None)
+        if runner is None:
+            return text + "; no layout with other pp/cp/tp degrees fits."
+        gaps = [rl - bl for rl, bl in zip(runner.losses, best.losses)]
+        key = LOSSES[gaps.index(max(gaps))]
+        why = f"it loses most to {_loss_phrase(runner, key)}" if max(gaps) > 0 else "the difference is in rounding"
+        return text + (f"; {runner.step_time_s / best.step_time_s:.2f}× faster than the best other shape, "
+                       f"{runner.describe()} ({runner.step_time_s:.3g} s/step): {why}.")
 
     def _why_infeasible(self) -> str:
         inp = self.inputs
@@ -840,18 +849,25 @@ class Plan:
             rules = "; ".join(f"{rule} ({n} combinations)" for rule, n in self.rejected.items())
             return f"No layout of {inp['world_size']} GPUs is possible: {rules}."
         smallest = min(self.layouts, key=lambda lay: lay.memory_gb)
-        total = inp["params"] * inp["optimizer_bytes"] / GiB
-        need = math.ceil(total / smallest.memory_limit_gb)
         text = (f"No layout fits: the smallest, {smallest.describe()}, needs {smallest.memory_gb:.1f} GB per GPU "
                 f"(states {smallest.model_state_gb:.1f} + activations {smallest.activation_gb:.1f}) but "
-                f"{smallest.memory_limit_gb:.1f} GB is usable ({inp['memory_gb']:.0f} GB less the "
-                f"{inp['memory_margin']:.0%} margin). The model states alone are {total:.0f} GB "
-                f"({inp['params']:.3g} params × {inp['optimizer_bytes']:g} B), at least {need} GPUs' worth.")
+                f"{smallest.memory_limit_gb:.1f} GB is usable ({inp['memory_gb']:g} GB less the "
+                f"{inp['memory_margin']:.0%} margin).")
+        total = inp["params"] * inp["optimizer_bytes"] / GiB
+        if total > smallest.memory_limit_gb * inp["world_size"]:
+            need = math.ceil(total / smallest.memory_limit_gb)
+            text += (f" The model is larger than the cluster: its states alone are {total:.0f} GB "
+                     f"({inp['params']:.3g} params × {inp['optimizer_bytes']:g} B), at least {need} GPUs' worth "
+                     f"and there are {inp['world_size']}. Use more GPUs or GPUs with more memory.")
+        elif smallest.activation_gb >= smallest.model_state_gb:
+            text += (" Activations dominate: use activation checkpointing, context parallelism, a shorter "
+                     "sequence or a smaller micro-batch.")
+        else:
+            text += " Model states dominate: shard them further (ZeRO-3), add GPUs, or use GPUs with more memory."
         tp_rule = next((rule for rule in self.rejected if rule.startswith("tp must divide")), None)
         if tp_rule and smallest.tp == 1:
             text += f" TP cannot help: {tp_rule}."
-        return text + (" Use more GPUs, a shorter sequence or smaller micro-batch, activation checkpointing, "
-                       "or GPUs with more memory.")
+        return text
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         best = self.best
@@ -869,7 +885,7 @@ def format_table(layouts: Sequence[Layout]) -> str:
     Example::
 
         >>> from meshkit.plugins.planner import Layout
-        >>> print(format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True, reason="ok")]).splitlines()[0])
+        >>> print(format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)]).splitlines()[0])
         #   rep shard  pp  cp  tp zero sched       m   ac         mem GB  act GB  bubble  tp/comp  step s   MFU  fits  reason
     """
     head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
@@ -958,10 +974,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     auto_ac = ("none", "full") if flash_attention else CHECKPOINTING
     world = nodes * gpus_per_node
     ctx = _Ctx(
-        model=mdl, seq=seq_len, batch=global_batch, micro=micro_batch, nodes=nodes, gpn=gpus_per_node,
-        memory=mem * GiB * (1 - memory_margin), memory_total=mem * GiB, intra_bw=intra * 1e9, inter_bw=inter * 1e9,
-        intra_lat=intra_latency_us * 1e-6, inter_lat=inter_latency_us * 1e-6,
-        peak=peak, achieved=achieved, margin=memory_margin, optimizer_bytes=optimizer_bytes,
+        model=mdl, seq=seq_len, batch=global_batch, micro=micro_batch, gpn=gpus_per_node, world=world,
+        memory=mem * GiB * (1 - memory_margin), intra=(intra * 1e9, intra_latency_us * 1e-6),
+        inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
         schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
