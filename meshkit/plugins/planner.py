@@ -104,10 +104,10 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab"):
-            _check_positive_int(f"ModelSpec: `{name}`", getattr(self, name))
+            _check_positive_int(f"ModelSpec: `{name}", getattr(self, name))
         for name in ("kv_heads", "ffn"):
             if getattr(self, name) is not None:
-                _check_positive_int(f"ModelSpec: `{name}`", getattr(self, name))
+                _check_positive_int(f"ModelSpec: `{name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(
                 f"ModelSpec: `hidden={self.hidden}` must be divisible by `heads={self.heads}` (whole heads). "
@@ -203,6 +203,7 @@ class ModelSpec:
 
 
 def _check_positive_int(name: str, value: Any) -> None:
+    """``name`` is "Owner: `field" (the backquote is closed here)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r}` must be a positive int.")
 
