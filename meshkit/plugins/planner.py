@@ -33,7 +33,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = [
     # inputs
@@ -61,6 +61,7 @@ __all__ = [
     "Plan",
     "plan",
     "plan_for_world",
+    "CPU_NOMINAL_TFLOPS",
     "format_table",
     # CLI
     "configure_parser",
@@ -779,7 +780,7 @@ def _loss_phrase(lay: Layout, key: str) -> str:
     if key == "bubble":
         return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
     if key == "tp":
-        where = "over NVLink" if lay.tp_intra_node else "ACROSS NODES"
+        where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
         return f"TP comm {lay.tp_comm_ratio:.2f}× compute {where} (tp={lay.tp})"
     if key == "pp":
         return f"PP send/recv {lay.pp_comm_ratio:.2f}× compute"
@@ -841,8 +842,14 @@ class Plan:
         gaps = [rl - bl for rl, bl in zip(runner.losses, best.losses)]
         key = LOSSES[gaps.index(max(gaps))]
         why = f"it loses most to {_loss_phrase(runner, key)}" if max(gaps) > 0 else "the difference is in rounding"
-        return text + (f"; {runner.step_time_s / best.step_time_s:.2f}× faster than the best other shape, "
-                       f"{runner.describe()} ({runner.step_time_s:.3g} s/step): {why}.")
+        text += (f"; {runner.step_time_s / best.step_time_s:.2f}× faster than the best other shape, "
+                 f"{runner.describe()} ({runner.step_time_s:.3g} s/step): {why}.")
+        close = len({(lay.pp, lay.cp, lay.tp) for lay in self.feasible
+                     if lay.step_time_s <= best.step_time_s * 1.03} - {shape})
+        if close:
+            text += (f" {close} other pp/cp/tp shape(s) come within 3%, inside this model's error: "
+                     "any of them is a sound choice.")
+        return text
 
     def _why_infeasible(self) -> str:
         inp = self.inputs
@@ -886,8 +893,9 @@ def format_table(layouts: Sequence[Layout]) -> str:
     Example::
 
         >>> from meshkit.plugins.planner import Layout
-        >>> print(format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)]).splitlines()[0])
-        #   rep shard  pp  cp  tp zero sched       m   ac         mem GB  act GB  bubble  tp/comp  step s   MFU  fits  reason
+        >>> table = format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)])
+        >>> table.splitlines()[0].split()[:6], len(table.splitlines())
+        (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
     """
     head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
             f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'step s':>7} {'MFU':>5}  fits  reason")
@@ -1002,24 +1010,33 @@ def _host_memory_gb() -> float:
         return GPU_TABLE["cpu"].memory_gb
 
 
+# A CPU rank's peak for planning: nominal, so every rank computes the same plan (a measured peak
+# differs from rank to rank, and with it, near ties could rank differently and ranks would disagree).
+CPU_NOMINAL_TFLOPS = 0.1
+
+
 def plan_for_world(model: Any, world_size: int, devices_per_node: int, device: str, seq_len: int,
                    global_batch: int, micro_batch: int = 1, *, memory_gb: float | None = None,
                    peak_tflops: float | None = None, zero_stage: int | Sequence[int] = (0, 3),
-                   allow_pp: bool = False, allow_cp: bool = False, **kwargs: Any) -> Layout:
+                   allow_pp: bool = False, allow_cp: bool = False, log: Callable[[str], Any] | None = None,
+                   top: int = 10, **kwargs: Any) -> Layout:
     """The best feasible layout for a running world, restricted to what the strategy supports.
 
-    For ``strategy="auto_nd"``: by default only dp_replicate, dp_shard (FSDP2, ZeRO-3 semantics) and tp
-    (pp = cp = 1). ``device`` is a GPU name or device string, or ``"cpu"``: a CPU rank is planned as a
-    "GPU" with 1/``devices_per_node`` of the host's memory, nominal gloo bandwidths and profiling's
-    measured CPU peak. Raises ``ValueError`` with the planner's explanation when nothing fits.
-    The full ranking is ``plan(...)``; log it with :func:`format_table`.
+    For ``strategy="auto_nd"``: by default only dp_replicate, dp_shard (FSDP2: ZeRO-3 semantics) and tp
+    (pp = cp = 1). ``device`` is a GPU name or device string (``torch.cuda.get_device_name()``; pass
+    ``memory_gb`` from the device properties), or ``"cpu"``: a CPU rank is planned as a "GPU" with
+    1/``devices_per_node`` of the host's memory, the table's nominal gloo bandwidths and a nominal peak
+    (:data:`CPU_NOMINAL_TFLOPS`). The answer is a pure function of the arguments, so every rank that
+    passes the same ones gets the same layout. ``log`` (e.g. a rank-zero logger's ``info``) receives
+    the ranked table (``top`` rows) and the explanation. Other keyword arguments go to :func:`plan`.
+    Raises ``ValueError`` with the planner's explanation when nothing fits.
 
     Example::
 
         >>> from meshkit.models import LlamaConfig
-        >>> lay = plan_for_world(LlamaConfig.tiny(), 4, 4, "cpu", seq_len=32, global_batch=8, peak_tflops=0.05)
-        >>> lay.to_parallel_dims().world_size
-        4
+        >>> lay = plan_for_world(LlamaConfig.tiny(), 4, 4, "cpu", seq_len=32, global_batch=8)
+        >>> lay.to_parallel_dims().world_size, lay.pp, lay.cp
+        (4, 1, 1)
     """
     _check_positive_int("plan_for_world: `world_size", world_size)
     _check_positive_int("plan_for_world: `devices_per_node", devices_per_node)
@@ -1028,15 +1045,16 @@ def plan_for_world(model: Any, world_size: int, devices_per_node: int, device: s
             f"plan_for_world: `world_size={world_size}` must be a multiple of `devices_per_node={devices_per_node}` "
             "(every node runs the same number of ranks)."
         )
-    is_cpu = str(device).strip().lower() == "cpu"
-    if is_cpu:
+    if str(device).strip().lower() == "cpu":
         memory_gb = memory_gb if memory_gb is not None else _host_memory_gb() / devices_per_node
-        if peak_tflops is None:
-            peak_tflops = _peak_flops(None, "cpu", "fp32") / 1e12
+        peak_tflops = peak_tflops if peak_tflops is not None else CPU_NOMINAL_TFLOPS
     result = plan(model, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                   nodes=world_size // devices_per_node, gpus_per_node=devices_per_node, gpu=device,
                   memory_gb=memory_gb, peak_tflops=peak_tflops, zero_stage=zero_stage,
                   max_pp=None if allow_pp else 1, max_cp=None if allow_cp else 1, **kwargs)
+    if log is not None:
+        log(f"meshkit planner: {len(result.feasible)} of {len(result.layouts)} layouts of {world_size} ranks fit\n"
+            f"{result.table(top)}\n{result.explanation}")
     if result.best is None:
         raise ValueError(f"plan_for_world: {result.explanation}")
     return result.best

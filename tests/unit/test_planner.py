@@ -337,8 +337,12 @@ def test_heads_not_divisible_by_any_tp_is_explained():
 def test_plan_for_world_tiny_on_four_cpu_ranks():
     from meshkit.models import LlamaConfig
 
+    logged: list[str] = []
     lay = plan_for_world(LlamaConfig.tiny(), world_size=4, devices_per_node=4, device="cpu", seq_len=32,
-                         global_batch=8)
+                         global_batch=8, log=logged.append)
+    assert len(logged) == 1 and lay.reason in logged[0] and f"best: {lay.describe()}" in logged[0]
+    # the same arguments give the same layout (every rank must agree)
+    assert plan_for_world(LlamaConfig.tiny(), 4, 4, "cpu", seq_len=32, global_batch=8) == lay
     assert lay.feasible and lay.world_size == 4
     assert lay.pp == 1 and lay.cp == 1
     assert 4 % lay.tp == 0 and 2 % lay.tp == 0  # heads 4, kv heads 2
