@@ -665,6 +665,8 @@ def _structural_rule(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> str |
     if t > ctx.max_tp or p > ctx.max_pp or c > ctx.max_cp:
         return "the caller allows at most " + ", ".join(
             f"{k}={v}" for k, v in (("tp", ctx.max_tp), ("pp", ctx.max_pp), ("cp", ctx.max_cp)) if v < ctx.world)
+    if d * c > 1 and not any(z > 0 for z in ctx.zero_stages):
+        return "zero_stage=0 (DDP) shards nothing, so dp_shard and cp must be 1 (use dp_replicate)"
     if m.heads % t or m.kv_heads % t or m.ffn % t:
         return (f"tp must divide heads={m.heads}, kv_heads={m.kv_heads} and ffn={m.ffn} "
                 "(each TP rank holds whole heads)")
@@ -736,7 +738,7 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
         runs = [(s, 1) for s in ctx.schedules if s != "interleaved"] + [
             ("interleaved", v) for v in ctx.virtual_stages
             if "interleaved" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
-    zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0) or (3,)
+    zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
 
     out: list[Layout] = []
     for z in zeros:
@@ -1087,7 +1089,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peak-tflops", type=float, default=None, help="dense peak (default: profiling's peak table)")
     g.add_argument("--achieved-tflops", type=float, default=None, help="sustained matmul TFLOP/s (default 50%% of peak)")
     g = parser.add_argument_group("training")
-    g.add_argument("--zero", type=int, choices=(1, 2, 3), default=None, help="ZeRO stage over dp_shard (default: try all)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
     g.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="bytes per parameter of model states (AdamW: 16)")

@@ -229,6 +229,28 @@ def test_one_layout_memory_and_time_by_hand():
     assert lay.predicted_mfu == pytest.approx(flops / (4 * 1e12 * lay.step_time_s))
 
 
+def test_tp_and_pp_ratios_match_their_closed_forms():
+    # A GPT-shaped layer (ffn = 8h/3: 12h² parameters), short sequence, tiny vocab, no latency: compute is
+    # 72h²/t FLOP per token per GPU, TP sends 4 · 2(t−1)/t · 2h bytes per token, so
+    # TP ratio = 16h(t−1)/t/W ÷ 72h²/(tF) = 2(t−1)F/(9hW). (The (t−1)F/(3hW) is 1.5× this.)
+    # PP sends 2 · 2h/t bytes per token per boundary: ratio = 4h/(tW) ÷ 72h²(L/p)/(tF) = p·F/(18·h·L·W).
+    h, t, p_, layers, F, W = 3072, 4, 2, 8, 400e12, 50e9
+    mdl = ModelSpec(layers=layers, hidden=h, heads=24, ffn=8 * h // 3, vocab=8)
+    res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
+               achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
+               activation_checkpointing="none", schedule="1f1b")
+    lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
+    assert lay.tp_comm_ratio == pytest.approx(2 * (t - 1) * F / (9 * h * W), rel=0.01)
+    assert lay.pp_comm_ratio == pytest.approx(p_ * F / (18 * h * layers * W), rel=0.01)
+
+
+def test_zero_stage_zero_means_ddp_only():
+    res = plan(LLAMA2_7B, seq_len=1024, global_batch=64, nodes=2, gpus_per_node=8, zero_stage=0,
+               activation_checkpointing="full", **H100)
+    assert res.layouts and all(x.dp_shard == 1 and x.cp == 1 and x.zero_stage == 0 for x in res.layouts)
+    assert any("zero_stage=0 (DDP)" in rule for rule in res.rejected)
+
+
 # ----------------------------------------------------------------------------------- public layouts
 
 
