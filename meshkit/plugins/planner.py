@@ -935,9 +935,10 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     """Enumerate every layout of ``nodes × gpus_per_node`` GPUs for ``model`` and rank them.
 
     ``model`` is a :class:`ModelSpec`, a meshkit ``LlamaConfig``, a Hugging Face config or a model with
-    ``.config``. Bandwidths are per GPU per direction (defaults from :data:`GPU_TABLE`: 450 GB/s NVLink,
-    50 GB/s InfiniBand on H100); ``peak_tflops`` defaults to profiling's dense peak for ``gpu`` and
-    ``dtype``; achieved FLOP/s to ``achieved_fraction`` of it. ``zero_stage``, ``schedule`` and
+    ``.config``. ``gpu`` is a :data:`GPU_TABLE` name or device string; another device needs ``memory_gb``
+    (its links then default to 450 / 50 GB/s). Bandwidths are per GPU per direction (defaults from the
+    table: 450 GB/s NVLink, 50 GB/s InfiniBand on H100); ``peak_tflops`` defaults to profiling's dense
+    peak for ``gpu`` and ``dtype``; achieved FLOP/s to ``achieved_fraction`` of it. ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
     ``flash_attention`` drops the s×s score term from the activations (FlashAttention / SDPA never
     stores it); ``sequence_parallel`` shards TP activations as torchtitan's TP plan does.
@@ -967,12 +968,12 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     try:
         spec: GpuSpec | None = gpu_spec(gpu)
     except ValueError:
-        if None in (memory_gb, intra_bw_gbs, inter_bw_gbs, peak_tflops):
+        if memory_gb is None:  # a device outside the table needs its memory; links default to 450 / 50 GB/s
             raise
         spec = None
     mem = float(memory_gb if memory_gb is not None else spec.memory_gb)
-    intra = float(intra_bw_gbs if intra_bw_gbs is not None else spec.intra_bw_gbs)
-    inter = float(inter_bw_gbs if inter_bw_gbs is not None else spec.inter_bw_gbs)
+    intra = float(intra_bw_gbs if intra_bw_gbs is not None else spec.intra_bw_gbs if spec else 450.0)
+    inter = float(inter_bw_gbs if inter_bw_gbs is not None else spec.inter_bw_gbs if spec else 50.0)
     for name, value in (("memory_gb", mem), ("intra_bw_gbs", intra), ("inter_bw_gbs", inter)):
         if not value > 0:
             raise ValueError(f"plan: `{name}={value}` must be > 0.")

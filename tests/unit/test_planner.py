@@ -191,6 +191,18 @@ def test_gpu_table_lookup_by_name_and_device_string():
     assert (spec.intra_bw_gbs, spec.inter_bw_gbs) == (450, 50)  # the defaults
 
 
+def test_device_outside_the_gpu_table_needs_its_memory():
+    # profiling's peak table knows the RTX 4090 (165.2 dense bf16 TFLOP/s); the planner's GPU table does not
+    res = plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpus_per_node=4, gpu="NVIDIA GeForce RTX 4090",
+               memory_gb=24)
+    assert res.inputs["peak_tflops"] == pytest.approx(165.2)
+    assert (res.inputs["intra_bw_gbs"], res.inputs["inter_bw_gbs"]) == (450.0, 50.0)
+    with pytest.raises(ValueError, match="not in the planner's GPU table"):
+        plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="NVIDIA GeForce RTX 4090")
+    with pytest.raises(ValueError, match="matches no row of the peak table"):
+        plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="Acme NPU 1", memory_gb=32)
+
+
 def test_peak_comes_from_profiling_table():
     p = plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="h100-sxm")
     assert p.inputs["peak_tflops"] == pytest.approx(989.4)
