@@ -712,7 +712,7 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     per_layer = {ac: activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
                                                 attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn)
                  for ac in ctx.checkpointing}
-    working = {ac: per_layer.get("none") if ac == "full" else 0.0 for ac in ctx.checkpointing}
+    working = dict.fromkeys(ctx.checkpointing, 0.0)
     if "full" in working:  # the layer being recomputed holds its full activations once
         working["full"] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
                                                      attention_scores=not ctx.flash, ffn=mdl.ffn)
