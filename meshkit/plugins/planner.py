@@ -1096,6 +1096,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="bytes per parameter of model states (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")
+    for axis in ("tp", "pp", "cp"):
+        g.add_argument(f"--max-{axis}", type=int, default=None, help=f"largest {axis} degree to consider (1: no {axis})")
     g = parser.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="layouts to show")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -1111,7 +1113,8 @@ def run_cli(args: argparse.Namespace) -> int:
                       intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
                       achieved_tflops=args.achieved_tflops, zero_stage=args.zero, schedule=args.schedule,
                       activation_checkpointing=args.activation_checkpointing,
-                      optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin)
+                      optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
+                      max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp)
     except ValueError as err:
         print(f"meshkit plan: {err}")
         return 2

@@ -432,5 +432,7 @@ def test_cli_table_and_infeasible_exit_code(capsys):
     assert len(lines) == 1 + 1 + 3 + 1 and lines[-1].startswith("best: ")
     rc, out = _cli(CLI_70B[:-10] + ["--nodes", "1", "--gpus-per-node", "2", "--gpu", "h100-sxm"], capsys)
     assert rc == 1 and "No layout fits" in out
+    rc, out = _cli(CLI_70B + ["--max-cp", "1", "--max-pp", "1", "--json"], capsys)
+    assert rc == 0 and all(x["cp"] == 1 and x["pp"] == 1 for x in json.loads(out)["layouts"])
     rc, out = _cli(CLI_70B + ["--global-batch", "255", "--micro-batch", "2"], capsys)
     assert rc == 2 and "global_batch=255" in out
