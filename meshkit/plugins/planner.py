@@ -128,7 +128,8 @@ class ModelSpec:
                 if ffn < 1:
                     raise ValueError(
                         f"ModelSpec: `params={self.params:.3g}` is smaller than the embeddings and attention of "
-                        f"`layers={self.layers}`, `hidden={self.hidden}`, `vocab={self.vocab}` alone, so no FFN size fits. "
+                        f"`layers={self.layers}`, `hidden={self.hidden}`, `vocab={self.vocab}` alone, "
+                        "so no FFN size fits. "
                         "Check the shape or pass `ffn=`."
                     )
             object.__setattr__(self, "ffn", ffn)
@@ -330,7 +331,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     552.0
     """
     if checkpointing not in CHECKPOINTING:
-        raise ValueError(f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
+        raise ValueError(
+            f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
     sbh = float(seq) * micro_batch * hidden
     sharded = 24.0 if ffn is None else 8.0 + 6.0 * ffn / hidden
     if checkpointing == "full":
@@ -576,7 +578,8 @@ class Layout:
 
     def describe(self) -> str:
         """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
-        parts = [f"{a}={getattr(self, a)}" for a in ("dp_replicate", "dp_shard", "pp", "cp", "tp") if getattr(self, a) > 1]
+        axes = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+        parts = [f"{a}={getattr(self, a)}" for a in axes if getattr(self, a) > 1]
         parts.append(f"zero{self.zero_stage}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
@@ -650,7 +653,7 @@ class _Ctx:
         self.attention_time = 12.0 * mdl.layers * mdl.hidden * self.seq * tokens / self.world / self.achieved
 
     def link(self, inner: int) -> tuple[float, float]:
-        """(bandwidth, latency) of an axis whose groups span ``inner`` consecutive ranks (its degree × inner degrees)."""
+        """(bandwidth, latency) of an axis whose groups span ``inner`` consecutive ranks (degree × inner degrees)."""
         return self.intra if inner <= self.gpn and self.gpn % inner == 0 else self.inter
 
 
@@ -900,7 +903,8 @@ def format_table(layouts: Sequence[Layout]) -> str:
         (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
     """
     head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
-            f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'step s':>7} {'MFU':>5}  fits  reason")
+            f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'step s':>7} {'MFU':>5}  "
+            "fits  reason")
     lines = [head]
     for i, lay in enumerate(layouts, 1):
         lines.append(
@@ -953,8 +957,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         4
     """
     mdl = ModelSpec.from_config(model)
-    for name, value in (("seq_len", seq_len), ("global_batch", global_batch), ("micro_batch", micro_batch),
-                        ("nodes", nodes), ("gpus_per_node", gpus_per_node)) + tuple(("virtual_stages", v) for v in virtual_stages):
+    checks = (("seq_len", seq_len), ("global_batch", global_batch), ("micro_batch", micro_batch), ("nodes", nodes),
+              ("gpus_per_node", gpus_per_node)) + tuple(("virtual_stages", v) for v in virtual_stages)
+    for name, value in checks:
         _check_positive_int(f"plan: `{name}", value)
     if global_batch % micro_batch:
         raise ValueError(
@@ -981,7 +986,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     achieved = achieved_tflops * 1e12 if achieved_tflops is not None else achieved_fraction * peak
     if not 0 < achieved <= peak:
         raise ValueError(
-            f"plan: `achieved_tflops={achieved / 1e12:g}` must be in (0, peak={peak / 1e12:g}] TFLOP/s for `gpu={gpu!r}`."
+            f"plan: `achieved_tflops={achieved / 1e12:g}` must be in (0, peak={peak / 1e12:g}] TFLOP/s "
+            f"for `gpu={gpu!r}`."
         )
     auto_ac = ("none", "full") if flash_attention else CHECKPOINTING
     world = nodes * gpus_per_node
@@ -1085,19 +1091,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPU_TABLE)} or a device string")
     g.add_argument("--memory-gb", type=float, default=None, help="memory per GPU (GiB; default from the GPU table)")
-    g.add_argument("--intra-bw", type=float, default=None, help="per-direction GB/s inside a node (default 450 on H100)")
+    g.add_argument("--intra-bw", type=float, default=None, help="per-direction GB/s in a node (default 450 on H100)")
     g.add_argument("--inter-bw", type=float, default=None, help="per-direction GB/s across nodes (default 50 on H100)")
     g.add_argument("--peak-tflops", type=float, default=None, help="dense peak (default: profiling's peak table)")
-    g.add_argument("--achieved-tflops", type=float, default=None, help="sustained matmul TFLOP/s (default 50%% of peak)")
+    g.add_argument("--achieved-tflops", type=float, default=None, help="sustained TFLOP/s (default 50%% of peak)")
     g = parser.add_argument_group("training")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
     g.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
-    g.add_argument("--optimizer-bytes", type=float, default=16.0, help="bytes per parameter of model states (AdamW: 16)")
+    g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")
     for axis in ("tp", "pp", "cp"):
-        g.add_argument(f"--max-{axis}", type=int, default=None, help=f"largest {axis} degree to consider (1: no {axis})")
+        g.add_argument(f"--max-{axis}", type=int, default=None, help=f"largest {axis} degree to try (1: no {axis})")
     g = parser.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="layouts to show")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
