@@ -61,6 +61,7 @@ __all__ = [
     "Plan",
     "plan",
     "plan_for_world",
+    "auto_nd_dims",
     "CPU_NOMINAL_TFLOPS",
     "format_table",
     # CLI
@@ -174,8 +175,8 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, params: float | None = None) -> "ModelSpec":
-        """From a meshkit ``LlamaConfig``, a Hugging Face config (Llama-style fields), a model with ``.config``,
-        or a ``ModelSpec`` (returned as is).
+        """From a meshkit ``LlamaConfig``, a Hugging Face config (Llama-style fields), a module with ``.config``
+        or containing one (a LightningModule around an HF model), or a ``ModelSpec`` (returned as is).
 
         Example::
 
@@ -195,8 +196,13 @@ class ModelSpec:
                        ffn=getattr(config, "intermediate_size", None), vocab=config.vocab_size, params=params,
                        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
         inner = getattr(config, "config", None)
-        if inner is not None and inner is not config:
+        if inner is not None and inner is not config and not isinstance(inner, dict):
             return cls.from_config(inner, params)
+        if callable(getattr(config, "modules", None)):  # an nn.Module wrapping a configured model
+            for module in config.modules():
+                cfg = getattr(module, "config", None)
+                if cfg is not None and module is not config and not isinstance(cfg, dict):
+                    return cls.from_config(cfg, params)
         raise ValueError(
             f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
             "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
@@ -798,11 +804,14 @@ def _loss_phrase(lay: Layout, key: str) -> str:
 
 
 def _rank_key(lay: Layout) -> tuple:
-    # feasible first, fastest first; ties go to fewer parallel axes, smaller tp, lower ZeRO stage, less memory.
-    # Infeasible ones follow, closest to fitting first.
+    # Feasible first, fastest first. Exact ties (every overhead hidden) go to the layout that moves the fewest
+    # bytes (to 1% of compute; hidden traffic still takes SMs and memory bandwidth), then to fewer
+    # parallel axes, smaller tp, lower ZeRO stage, less memory. Infeasible ones follow, closest to fitting first.
     axes = (lay.dp_replicate > 1) + (lay.pp > 1) + (lay.cp > 1) + (lay.tp > 1)
-    primary = round(lay.step_time_s, 9) if lay.feasible else lay.memory_gb
-    return (not lay.feasible, primary, axes, lay.tp, lay.zero_stage, lay.memory_gb)
+    if not lay.feasible:
+        return (True, lay.memory_gb, axes, lay.tp, lay.zero_stage)
+    traffic = lay.tp_comm_ratio + lay.pp_comm_ratio + lay.cp_comm_ratio + lay.dp_comm_ratio
+    return (False, round(lay.step_time_s, 9), round(traffic, 2), axes, lay.tp, lay.zero_stage, lay.memory_gb)
 
 
 # ============================================================================ the plan
@@ -1067,6 +1076,59 @@ def plan_for_world(model: Any, world_size: int, devices_per_node: int, device: s
     if result.best is None:
         raise ValueError(f"plan_for_world: {result.explanation}")
     return result.best
+
+
+def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, seq_len: int | None = None,
+                 global_batch: int | None = None, micro_batch: int = 1, memory_gb: float | None = None,
+                 reshard_after_forward: bool = True, sequence_parallel: bool = False,
+                 activation_checkpointing: str = "none", log: Callable[[str], Any] | None = None,
+                 **kwargs: Any) -> Any:
+    """The :class:`~meshkit.plugins.dims.ParallelDims` ``strategy="auto_nd"`` trains with.
+
+    Thin glue over :func:`plan_for_world` for the strategy's ``setup_environment``: the planner sees the
+    strategy's own settings (FSDP2's ``reshard_after_forward`` = ZeRO-3, else ZeRO-2; sequence
+    parallelism; activation checkpointing), ``seq_len`` defaults to the model config's ``max_seq_len``
+    (``max_position_embeddings`` for HF), and ``global_batch`` to one ``micro_batch`` per rank (Lightning's
+    per-rank batch; ranking by step time at a fixed global batch is ranking by tokens per second).
+
+    Example::
+
+        >>> from meshkit.models import LlamaConfig
+        >>> auto_nd_dims(LlamaConfig.tiny(), world_size=4, num_nodes=1, device="cpu", seq_len=64).world_size
+        4
+    """
+    if seq_len is None:
+        cfg = _find_config(model)
+        seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
+        if seq_len is None:
+            raise ValueError(
+                "auto_nd_dims: the model's config has no `max_seq_len` / `max_position_embeddings`; "
+                "pass `seq_len=` (tokens per sequence in training)."
+            )
+    if num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(
+            f"auto_nd_dims: `world_size={world_size}` must be a multiple of `num_nodes={num_nodes}` "
+            "(every node runs the same number of ranks)."
+        )
+    zero = (0, 3) if reshard_after_forward else (0, 2)
+    layout = plan_for_world(model, world_size, world_size // num_nodes, device, seq_len,
+                            global_batch or world_size * micro_batch, micro_batch, memory_gb=memory_gb,
+                            zero_stage=zero, sequence_parallel=sequence_parallel,
+                            activation_checkpointing=activation_checkpointing, log=log, **kwargs)
+    return layout.to_parallel_dims()
+
+
+def _find_config(model: Any) -> Any:
+    if hasattr(model, "max_seq_len") or hasattr(model, "max_position_embeddings"):
+        return model
+    inner = getattr(model, "config", None)
+    if inner is not None and inner is not model:
+        return _find_config(inner)
+    for module in getattr(model, "modules", lambda: ())():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and module is not model:
+            return cfg
+    return None
 
 
 # ============================================================================ CLI

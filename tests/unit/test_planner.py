@@ -391,6 +391,25 @@ def test_plan_for_world_tiny_on_four_cpu_ranks():
         plan_for_world(LlamaConfig.tiny(), 6, 4, "cpu", seq_len=32, global_batch=8)
 
 
+def test_auto_nd_dims_reads_the_model_and_the_strategy_settings():
+    from meshkit.models import LlamaConfig, LlamaLM
+
+    module = LlamaLM(LlamaConfig.tiny(max_seq_len=64))
+    assert ModelSpec.from_config(module).kv_heads == 2  # found through the LightningModule
+    # the tiny model is compute-bound: every dp layout ties on time, and the one moving the fewest bytes wins:
+    # replication (one gradient all-reduce, 2·3/4·S) over FSDP (3·3/4·S: gathers in forward and backward)
+    one_node = pl.auto_nd_dims(module, world_size=4, num_nodes=1, device="cpu")
+    assert one_node.degrees == {"dp_replicate": 4, "dp_shard": 1, "pp": 1, "cp": 1, "tp": 1}
+    # across two nodes, HSDP keeps the sharded traffic inside each node and sends only shards across
+    two_nodes = pl.auto_nd_dims(module, world_size=4, num_nodes=2, device="cpu")
+    assert two_nodes.degrees == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 1}
+    with pytest.raises(ValueError, match="world_size=4` must be a multiple of `num_nodes=3"):
+        pl.auto_nd_dims(module, world_size=4, num_nodes=3, device="cpu")
+    spec = ModelSpec(layers=2, hidden=64, heads=4, vocab=256)  # no max_seq_len anywhere
+    with pytest.raises(ValueError, match="pass `seq_len=`"):
+        pl.auto_nd_dims(spec, world_size=4, num_nodes=1, device="cpu")
+
+
 def _cli(argv: list[str], capsys) -> tuple[int, str]:
     parser = argparse.ArgumentParser(prog="meshkit plan")
     pl.configure_parser(parser)
