@@ -55,6 +55,8 @@ class Preset:
     """dp_replicate = num_nodes (HSDP across nodes)."""
     tp: bool = False
     """tp = the largest size within a node that divides the model's heads, kv heads and hidden size."""
+    planner: bool = False
+    """Sizes come from meshkit's layout planner (memory, bandwidth and bubble math) for this world."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -64,6 +66,7 @@ PRESETS: dict[str, Preset] = {
         Preset("hsdp", "HSDP: sharded within a node, replicated across nodes", replicate=True),
         Preset("tp", "Tensor parallel within a node (FSDP2 over whatever is left)", tp=True),
         Preset("hsdp_tp", "Tensor parallel within a node, HSDP over the rest", replicate=True, tp=True),
+        Preset("auto_nd", "Layout chosen by meshkit's planner from memory, bandwidth and bubble math", planner=True),
     )
 }
 
@@ -211,12 +214,28 @@ class NDParallelStrategy(ModelParallelStrategy):
         precision = getattr(self.precision_plugin, "precision", "32-true")
         _fsdp.mixed_precision_policy(precision)  # raises for unsupported precision
         world = self.num_nodes * self.num_processes
-        dims = resolve_dims(
-            self.preset, self._sizes, world_size=world, num_nodes=self.num_nodes, model=self.lightning_module
-        )
+        if self.preset.planner and all(v == "auto" for v in self._sizes.values()):
+            dims = self._planned_dims(world)
+        else:
+            dims = resolve_dims(
+                self.preset, self._sizes, world_size=world, num_nodes=self.num_nodes, model=self.lightning_module
+            )
         if self._global_batch_size is not None:
             dims.check_batch(self._global_batch_size)
         return dims
+
+    def _planned_dims(self, world: int) -> ParallelDims:
+        """``auto_nd``: ask the planner for this world, device and model; it logs its table and choice."""
+        from meshkit.plugins.planner import auto_nd_dims
+
+        dev = self.root_device
+        return auto_nd_dims(
+            self.lightning_module, world_size=world, num_nodes=self.num_nodes,
+            device="cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+            memory_gb=None if dev.type == "cpu" else torch.cuda.get_device_properties(dev).total_memory / 2**30,
+            global_batch=self._global_batch_size, reshard_after_forward=self._reshard_after_forward,
+            sequence_parallel=self._sequence_parallel, activation_checkpointing=self._ac, log=rank_zero_info,
+        )
 
     @override
     def setup_environment(self) -> None:
