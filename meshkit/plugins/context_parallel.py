@@ -309,8 +309,10 @@ def apply_context_parallel(
 
         name = f"meshkit_cp_{attention}_{next(_HF_NAMES)}"
         AttentionInterface.register(name, _hf_attention_fn(group, attention, layout))
-        model.set_attn_implementation(name) if hasattr(model, "set_attn_implementation") else None
-        config._attn_implementation = name
+        if hasattr(model, "set_attn_implementation"):  # transformers >= 4.56: also updates sub-configs
+            model.set_attn_implementation(name)
+        else:
+            config._attn_implementation = name
     else:
         select = attention_modules or (lambda _name, m: type(m).__name__.endswith("Attention"))
         targets = [m for n, m in model.named_modules() if select(n, m)]
