@@ -287,8 +287,9 @@ def apply_context_parallel(
       module's forward (classes named ``*Attention``, or those ``attention_modules(name, module)`` selects),
       calls to ``F.scaled_dot_product_attention`` go to :func:`context_parallel_attention`. The swap is a
       TorchFunctionMode scoped to those forwards, so activation-checkpoint recomputation sees it too.
-    - if the model's forward is called without ``positions``/``position_ids``, they are filled with the
-      global positions of the local tokens, so rotary embeddings are right.
+    - where the model (or its outermost submodule taking ``positions``/``position_ids``, e.g. a
+      LightningModule's inner Transformer) is called without positions, they are filled with the global
+      positions of the local tokens, so rotary embeddings are right.
 
     Feed it the batches of :func:`shard_batch` (same ``layout``). Returns ``model``.
 
@@ -323,11 +324,24 @@ def apply_context_parallel(
             )
         for module in targets:
             _install_mode(module, group, attention, layout)
-    params = inspect.signature(model.forward).parameters
-    key = next((k for k in _POSITION_KEYS if k in params), None)
-    if key is not None:
-        model.register_forward_pre_hook(_position_hook(group, layout, key), with_kwargs=True)
+    for module, key in _position_takers(model):
+        module.register_forward_pre_hook(_position_hook(group, layout, key), with_kwargs=True)
     return model
+
+
+def _position_takers(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """The outermost modules whose forward takes ``positions`` or ``position_ids`` (e.g. a LightningModule's
+    inner Transformer, or a transformers ...ForCausalLM, not its inner model or rotary embedding)."""
+    found, todo = [], [model]
+    while todo:
+        module = todo.pop(0)
+        params = inspect.signature(module.forward).parameters
+        key = next((k for k in _POSITION_KEYS if k in params), None)
+        if key is not None:
+            found.append((module, key))
+        else:
+            todo.extend(module.children())
+    return found
 
 
 def _install_mode(module: nn.Module, group: ProcessGroup, attention: str, layout: str) -> None:
