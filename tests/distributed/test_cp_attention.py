@@ -10,11 +10,16 @@ batch (global positions from ``shard_batch``), averages gradients over the cp gr
 is the mean over the same number of tokens, so the average of the local means is the global mean, and
 the average of the local gradients the global gradient) and steps AdamW. The same rank also trains an
 unsharded copy on the whole batch, with no communication; the losses must agree within rtol 1e-4.
+
+Lightning (NDParallelStrategy with cp presets): against one process fed each step's whole global batch;
+FSDP2 averages gradients over dp_shard × cp and the strategy reports the loss averaged over dp × cp, so
+every rank's loss and the final parameters must match. All on one pool: spawning is the dominant cost.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -22,9 +27,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.dist_pool import ProcessPool
+from tests.distributed import training as T
 
 _MESHES: dict[int, object] = {}
 STEPS = 3
+FIT_STEPS = 4
 SEQ = 32  # 2·cp = 8 chunks of 4 tokens
 
 
@@ -62,7 +69,7 @@ def _body_equivalence(rank, world_size, world, attention):
     mesh = _cp_mesh(world)
     cp, cp_rank = mesh.size(), mesh.get_local_rank()
     errors = {}
-    hkvs = (8, 4, 2)
+    hkvs = (8, 4, 2) if attention == "ulysses" else (8, 2)  # ulysses: kv heads split (4, 8) or replicated (2)
     cases = itertools.product(("load_balanced", "contiguous"), (True, False), hkvs, (torch.float64, torch.float32))
     for seed, (layout, causal, hkv, dtype) in enumerate(cases):
         q, k, v, w = _inputs(8, hkv, 24, dtype, seed)
@@ -85,7 +92,8 @@ def _body_equivalence(rank, world_size, world, attention):
 @pytest.mark.parametrize("attention", ["ring", "allgather", "ulysses"])
 def test_cp_attention_matches_full_sdpa(pool, attention, world):
     results = pool.run(_body_equivalence, world, attention)
-    assert len(results[0]) == 2 * 2 * 3 * 2 * 4  # layouts × causal × kv heads × dtypes × (out, dq, dk, dv)
+    kv_cases = 3 if attention == "ulysses" else 2
+    assert len(results[0]) == 2 * 2 * kv_cases * 2 * 4  # layouts × causal × kv heads × dtypes × (out, dq, dk, dv)
     for errors in results:
         for key, diff in errors.items():
             tol = 1e-6 if "float64" in key else 1e-4
@@ -240,3 +248,60 @@ def test_shard_batch_layouts(pool):
         assert labels == [t + 1 for t in expected_lb[rank]]
         assert flat_positions == list(range(4 * rank, 4 * rank + 4))
         assert torch.equal(back, torch.arange(1, 17).expand(2, -1))
+
+
+# ---- Lightning: NDParallelStrategy with cp ------------------------------------------------------------
+def _fit(rank: int, world: int, strategy: Any, devices: int, num_nodes: int) -> dict:
+    import meshkit
+
+    if isinstance(strategy, dict):
+        strategy = meshkit.NDParallelStrategy(**strategy)
+    return T.fit(rank, world, strategy, devices=devices, num_nodes=num_nodes, steps=FIT_STEPS, kind="meshkit")
+
+
+# (id, strategy, devices per node, nodes, expected degrees, a parameter's (mesh axes, placements))
+CASES = [
+    ("cp_ring", "cp", 4, 1, dict(dp_replicate=1, dp_shard=1, cp=4, tp=1), (("dp_shard_cp",), ("S(0)",))),
+    ("cp_ulysses", {"preset": "cp", "cp_attention": "ulysses"}, 4, 1, dict(dp_shard=1, cp=4, tp=1),
+     (("dp_shard_cp",), ("S(0)",))),
+    ("hsdp_cp_allgather", {"preset": "hsdp_cp", "cp_attention": "allgather"}, 2, 2,
+     dict(dp_replicate=2, dp_shard=1, cp=2, tp=1), (("dp_replicate", "dp_shard_cp"), ("R", "S(0)"))),
+    ("hsdp_tp_cp", "hsdp_tp_cp", 4, 1, dict(dp_replicate=1, dp_shard=1, cp=2, tp=2),
+     (("dp_shard_cp", "tp"), ("_S(0, 2)", "S(0)"))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_cp_preset_matches_one_process(pool, case):
+    _, strategy, devices, nodes, degrees, placement = case
+    results = pool.run(_fit, strategy, devices, nodes)
+    for key, value in degrees.items():
+        assert results[0]["degrees"][key] == value, (key, results[0]["degrees"])
+    losses = T.global_losses(results)  # also checks that the cp ranks of a dp group report the same loss
+    want_losses, want_params = T.reference("meshkit", FIT_STEPS, results[0]["dp_size"])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    T.assert_params_close(results[0]["params"], want_params)
+    axes, places = results[0]["placements"]["model.layers.0.attention.wq.weight"]
+    assert (axes, tuple(p.replace("Replicate()", "R") for p in places)) == placement
+
+
+def test_cp_presets_resolve_and_validate():
+    import meshkit
+    from meshkit.models.llama import LlamaConfig, LlamaLM
+    from meshkit.plugins.strategy import PRESETS, resolve_dims
+
+    auto = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
+    # 2 nodes of 4: cp takes 2 of a node, tp the other 2, HSDP replicates across the nodes.
+    assert resolve_dims(PRESETS["hsdp_tp_cp"], auto, world_size=8, num_nodes=2).degrees == dict(
+        dp_replicate=2, dp_shard=1, pp=1, cp=2, tp=2
+    )
+    assert resolve_dims(PRESETS["cp"], auto, world_size=8, num_nodes=2).degrees == dict(
+        dp_replicate=1, dp_shard=2, pp=1, cp=4, tp=1
+    )
+    with pytest.raises(ValueError, match=r"`cp_attention='tree'` must be one of"):
+        meshkit.NDParallelStrategy("cp", cp_attention="tree")
+    strategy = meshkit.NDParallelStrategy("cp", cp_attention="ulysses")
+    strategy._lightning_module = LlamaLM(LlamaConfig.tiny(dim=48, n_heads=6, n_kv_heads=6))
+    dims = resolve_dims(PRESETS["cp"], auto, world_size=4, num_nodes=1)
+    with pytest.raises(ValueError, match=r"`cp_attention='ulysses'` with `cp=4` and `tp=1` needs the heads per TP rank \(6\)"):
+        strategy._check_cp(dims)
