@@ -108,7 +108,9 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, results) ->
     k, v = (torch.randn(b, args.kv_heads, t, d, generator=g) for _ in range(2))
     local = [shard_sequence(x, rank, cp, dim=2) for x in (q, k, v)]
     rows = []
-    variants = [v_ for v_ in args.variants if not (v_ == "ulysses" and (args.heads % cp or (args.kv_heads % cp and cp % args.kv_heads)))]
+    h, hkv = args.heads, args.kv_heads
+    ulysses_fits = h % cp == 0 and (hkv % cp == 0 or cp % hkv == 0)
+    variants = [name for name in args.variants if name != "ulysses" or ulysses_fits]
     for variant in variants:
         times, sent, saved = [], 0.0, 0
         for it in range(args.iters + 1):  # the first is a warm-up
@@ -173,7 +175,8 @@ def report(rows: list[dict], seq: int) -> str:
         ratio = saved / base[variant] if base.get(variant) else float("nan")
         vs = saved / sdpa if sdpa else float("nan")
         mib = 2**20
-        lines.append(f"| {variant} | {cp} | {step:.3f} | {sent / mib:.2f} | {form / mib:.2f} | {saved / mib:.2f} | {ratio:.3f} | {vs:.3f} |")
+        figures = f"{step:.3f} | {sent / mib:.2f} | {form / mib:.2f} | {saved / mib:.2f} | {ratio:.3f} | {vs:.3f}"
+        lines.append(f"| {variant} | {cp} | {figures} |")
     return "\n".join(lines)
 
 

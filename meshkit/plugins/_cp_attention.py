@@ -84,7 +84,9 @@ def block_forward(
     elif q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     elif q.device.type == "cuda":
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )[:2]
         lse = lse[..., : q.shape[2]]  # the kernel pads its LSE to a multiple of 32 rows
     else:
         raise ValueError(f"context_parallel: device type {q.device.type!r} is not supported (cpu and cuda are).")
@@ -130,6 +132,13 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o2: torch.Tensor, l2: torch.Tens
     new = torch.logaddexp(lse, l2.to(lse.dtype))
     out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(o2.to(out.dtype) * torch.exp(l2 - new).unsqueeze(-1))
     lse.copy_(new)
+
+
+def _plan_backward(dout, q, kv, out, lse, qs: slice, ks: slice, causal: bool, scale: float):
+    """:func:`block_backward` of query rows ``qs`` against key rows ``ks`` of the stacked (2, ...) ``kv``."""
+    sl = (slice(None), slice(None), qs)
+    k, v = kv[0][:, :, ks], kv[1][:, :, ks]
+    return block_backward(dout[sl], q[sl], k, v, out[sl], lse[sl], causal, scale)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -209,9 +218,7 @@ class RingAttention(torch.autograd.Function):
             plan = ring_plan(step, rank, cp, ctx.causal, ctx.layout, t_loc)
             if plan is not None:
                 qs, ks, c = plan
-                dq_b, dk_b, dv_b = block_backward(
-                    dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs], c, ctx.scale
-                )
+                dq_b, dk_b, dv_b = _plan_backward(dout, q, kv, out, lse, qs, ks, c, ctx.scale)
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += dk_b
                 dkv[1][:, :, ks] += dv_b
@@ -288,9 +295,7 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q.dtype), device=q.device)
         for qs, ks, c in allgather_plan(rank, cp, ctx.causal, ctx.layout, q.shape[2]):
-            dq_b, dk_b, dv_b = block_backward(
-                dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs], lse[:, :, qs], c, ctx.scale
-            )
+            dq_b, dk_b, dv_b = _plan_backward(dout, q, kv, out, lse, qs, ks, c, ctx.scale)
             dq[:, :, qs] += dq_b
             dkv[0][:, :, ks] += dk_b
             dkv[1][:, :, ks] += dv_b

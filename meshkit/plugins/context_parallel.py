@@ -62,7 +62,9 @@ Group = Union[ProcessGroup, DeviceMesh]
 def _group(group: Group) -> ProcessGroup:
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
-            raise ValueError(f"context_parallel: the cp mesh must be 1-D, got `mesh.ndim={group.ndim}`; pass mesh['cp'].")
+            raise ValueError(
+                f"context_parallel: the cp mesh must be 1-D, got `mesh.ndim={group.ndim}`; pass mesh['cp']."
+            )
         return group.get_group()
     return group
 
@@ -157,7 +159,9 @@ def gather_sequence(x: torch.Tensor, group: Group, dim: int = 1, layout: str = "
     return full.index_select(dim, order)
 
 
-def sequence_positions(seq_len: int, cp_rank: int, cp: int, layout: str = "load_balanced", device: Any = None) -> torch.Tensor:
+def sequence_positions(
+    seq_len: int, cp_rank: int, cp: int, layout: str = "load_balanced", device: Any = None
+) -> torch.Tensor:
     """(seq_len / cp,) global positions of this rank's tokens, for rotary embeddings.
 
     Example::
@@ -181,7 +185,8 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
 
     Example::
 
-        >>> import torch.distributed as dist; dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> out = shard_batch(torch.arange(9)[None], dist.group.WORLD)
         >>> out["input_ids"].tolist(), out["labels"].tolist(), out["positions"].tolist()
         ([[0, 1, 2, 3, 4, 5, 6, 7]], [[1, 2, 3, 4, 5, 6, 7, 8]], [[0, 1, 2, 3, 4, 5, 6, 7]])
@@ -190,7 +195,8 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     pg = _group(cp_mesh)
     cp, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if isinstance(batch, torch.Tensor):
-        batch = {"input_ids": batch.narrow(seq_dim, 0, batch.shape[seq_dim] - 1), "labels": batch.narrow(seq_dim, 1, batch.shape[seq_dim] - 1)}
+        n = batch.shape[seq_dim] - 1
+        batch = {"input_ids": batch.narrow(seq_dim, 0, n), "labels": batch.narrow(seq_dim, 1, n)}
     elif not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError(
             f"shard_batch: `batch` must be a token tensor or a dict with 'input_ids', got {type(batch).__name__}"
@@ -224,7 +230,8 @@ class _SDPAToCP(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        params = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args))
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        params = dict(zip(names, args))
         params.update(kwargs)
         if params.get("attn_mask") is not None or params.get("dropout_p", 0.0):
             raise ValueError(
@@ -295,9 +302,10 @@ def apply_context_parallel(
 
     Example::
 
-        >>> model = apply_context_parallel(Transformer(LlamaConfig.tiny()), mesh["cp"], attention="ring")  # doctest: +SKIP
-        >>> local = shard_batch(tokens, mesh["cp"])                                                          # doctest: +SKIP
-        >>> logits = model(local["input_ids"], local["positions"])                                            # doctest: +SKIP
+        >>> model = Transformer(LlamaConfig.tiny())                                  # doctest: +SKIP
+        >>> model = apply_context_parallel(model, mesh["cp"], attention="ring")      # doctest: +SKIP
+        >>> local = shard_batch(tokens, mesh["cp"])  # (B, T+1) tokens -> T/cp each  # doctest: +SKIP
+        >>> logits = model(local["input_ids"], local["positions"])                   # doctest: +SKIP
     """
     if attention not in CP_ATTENTIONS:
         raise ValueError(f"apply_context_parallel: `attention={attention!r}` is not one of {CP_ATTENTIONS}.")

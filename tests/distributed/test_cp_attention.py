@@ -235,7 +235,8 @@ def _body_shard_batch(rank, world_size):
     with pytest.raises(ValueError, match=r"`input_ids.shape\[1\]=12` must be divisible by 2·cp=8"):
         shard_batch(torch.zeros(2, 13, dtype=torch.long), mesh)
     back = gather_sequence(lb["labels"], mesh)
-    return lb["input_ids"][0].tolist(), lb["labels"][0].tolist(), lb["positions"][1].tolist(), flat["positions"][0].tolist(), back
+    firsts = (lb["input_ids"][0], lb["labels"][0], lb["positions"][1], flat["positions"][0])
+    return *(t.tolist() for t in firsts), back
 
 
 def test_shard_batch_layouts(pool):

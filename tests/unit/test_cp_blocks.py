@@ -42,7 +42,8 @@ def check_blocks(device: str, dtype: torch.dtype, causal: bool, hkv: int, atol: 
     dq = torch.zeros_like(q[:, :, qs], dtype=acc)
     dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
     for ks, c in ((diag, causal), (prev, False)):
-        dq_b, dk_b, dv_b = impl.block_backward(dout[:, :, qs], q[:, :, qs], k[:, :, ks], v[:, :, ks], out, lse, c, scale)
+        sq = (slice(None), slice(None), qs)
+        dq_b, dk_b, dv_b = impl.block_backward(dout[sq], q[sq], k[:, :, ks], v[:, :, ks], out, lse, c, scale)
         dq += dq_b
         dk[:, :, ks] += dk_b
         dv[:, :, ks] += dv_b
