@@ -288,8 +288,8 @@ def apply_context_parallel(
 ) -> nn.Module:
     """Make ``model`` attend over the whole sequence while each cp rank holds ``T / cp`` of it; in place.
 
-    - transformers models (``config._attn_implementation``): a meshkit attention function is registered in
-      transformers' ``AttentionInterface`` and selected for the model.
+    - transformers models (``config._attn_implementation``), at the root or inside (e.g. in a LightningModule):
+      a meshkit attention function is registered in transformers' ``AttentionInterface`` and selected.
     - other models (torchtitan-style, e.g. :class:`meshkit.models.llama.Transformer`): inside each attention
       module's forward (classes named ``*Attention``, or those ``attention_modules(name, module)`` selects),
       calls to ``F.scaled_dot_product_attention`` go to :func:`context_parallel_attention`. The swap is a
@@ -312,41 +312,49 @@ def apply_context_parallel(
     if layout not in CP_LAYOUTS:
         raise ValueError(f"apply_context_parallel: `layout={layout!r}` is not one of {CP_LAYOUTS}.")
     group = _group(cp_mesh)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "_attn_implementation"):
-        from transformers import AttentionInterface
-
-        name = f"meshkit_cp_{attention}_{next(_HF_NAMES)}"
-        AttentionInterface.register(name, _hf_attention_fn(group, attention, layout))
-        if hasattr(model, "set_attn_implementation"):  # transformers >= 4.56: also updates sub-configs
-            model.set_attn_implementation(name)
-        else:
-            config._attn_implementation = name
-    else:
-        select = attention_modules or (lambda _name, m: type(m).__name__.endswith("Attention"))
-        targets = [m for n, m in model.named_modules() if select(n, m)]
-        if not targets:
-            raise ValueError(
-                f"apply_context_parallel: found no attention module in {type(model).__name__} (no class named "
-                "'*Attention'); pass `attention_modules=lambda name, module: ...` to choose them."
-            )
-        for module in targets:
-            _install_mode(module, group, attention, layout)
-    for module, key in _position_takers(model):
-        module.register_forward_pre_hook(_position_hook(group, layout, key), with_kwargs=True)
+    hf_models = _outermost(model, lambda m: hasattr(getattr(m, "config", None), "_attn_implementation"))
+    for hf_model in hf_models:
+        _use_hf_attention(hf_model, group, attention, layout)
+    in_hf = {id(m) for hf_model in hf_models for m in hf_model.modules()}
+    select = attention_modules or (lambda _name, m: type(m).__name__.endswith("Attention"))
+    targets = [m for n, m in model.named_modules() if id(m) not in in_hf and select(n, m)]
+    if not hf_models and not targets:
+        raise ValueError(
+            f"apply_context_parallel: found no attention module in {type(model).__name__} (no transformers model, "
+            "no class named '*Attention'); pass `attention_modules=lambda name, module: ...` to choose them."
+        )
+    for module in targets:
+        _install_mode(module, group, attention, layout)
+    for module in _outermost(model, lambda m: _position_key(m) is not None):
+        module.register_forward_pre_hook(_position_hook(group, layout, _position_key(module)), with_kwargs=True)
     return model
 
 
-def _position_takers(model: nn.Module) -> list[tuple[nn.Module, str]]:
-    """The outermost modules whose forward takes ``positions`` or ``position_ids`` (e.g. a LightningModule's
-    inner Transformer, or a transformers ...ForCausalLM, not its inner model or rotary embedding)."""
+def _use_hf_attention(model: nn.Module, group: ProcessGroup, attention: str, layout: str) -> None:
+    """Register a cp attention function with transformers and select it for ``model``."""
+    from transformers import AttentionInterface
+
+    name = f"meshkit_cp_{attention}_{next(_HF_NAMES)}"
+    AttentionInterface.register(name, _hf_attention_fn(group, attention, layout))
+    if hasattr(model, "set_attn_implementation"):  # transformers >= 4.56: also updates sub-configs
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def _position_key(module: nn.Module) -> str | None:
+    params = inspect.signature(module.forward).parameters
+    return next((k for k in _POSITION_KEYS if k in params), None)
+
+
+def _outermost(model: nn.Module, pred: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """The modules satisfying ``pred`` with no ancestor satisfying it (e.g. a LightningModule's inner
+    Transformer taking ``positions``, or a transformers ...ForCausalLM but not its inner model)."""
     found, todo = [], [model]
     while todo:
         module = todo.pop(0)
-        params = inspect.signature(module.forward).parameters
-        key = next((k for k in _POSITION_KEYS if k in params), None)
-        if key is not None:
-            found.append((module, key))
+        if pred(module):
+            found.append(module)
         else:
             todo.extend(module.children())
     return found

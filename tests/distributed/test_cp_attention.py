@@ -306,3 +306,42 @@ def test_cp_presets_resolve_and_validate():
     dims = resolve_dims(PRESETS["cp"], auto, world_size=4, num_nodes=1)
     with pytest.raises(ValueError, match=r"`cp_attention='ulysses'` with `cp=4` and `tp=1` needs the heads per TP rank \(6\)"):
         strategy._check_cp(dims)
+
+
+def _hf_cp_module() -> Any:
+    """transformers' Llama in a LightningModule that reads the dict batches cp hands it."""
+
+    class HFLlamaCP(T.HFLlamaLM):
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            logits = self.model(input_ids=batch["input_ids"], position_ids=batch["positions"]).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    torch.manual_seed(0)  # as T.build_module("hf"): same initial weights as the reference
+    return HFLlamaCP(lr=0.5)
+
+
+def _fit_hf(rank: int, world: int, attention: str) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import meshkit
+
+    T.launcher_env(rank, 4)
+    module = _hf_cp_module()
+    recorder = T.LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=meshkit.NDParallelStrategy("cp", cp_attention=attention),
+        max_steps=FIT_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[recorder],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(T.tokens(FIT_STEPS * T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+    return {"losses": recorder.losses, "dp_rank": 0, "params": T.full_params(module),
+            "impl": module.model.config._attn_implementation}  # fmt: skip
+
+
+def test_cp_transformers_llama_lightning_matches_one_process(pool):
+    results = pool.run(_fit_hf, "ring")
+    assert results[0]["impl"].startswith("meshkit_cp_ring")
+    want_losses, want_params = T.reference("hf", FIT_STEPS, 1)
+    torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    T.assert_params_close(results[0]["params"], want_params)
