@@ -52,3 +52,18 @@ def test_hsdp_tp_2x2x2_matches_one_process(pool):
     want_losses, want_params = T.reference("meshkit", STEPS, 4, world=8)
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     T.assert_params_close(results[0]["params"], want_params)
+
+
+# ---- context parallelism (meshkit.plugins.context_parallel) -------------------------------------------
+def _fit_hsdp_tp_cp(rank: int, world: int) -> dict:
+    return T.fit(rank, world, "hsdp_tp_cp", devices=4, num_nodes=2, steps=STEPS)
+
+
+def test_hsdp_tp_cp_2x2x2_matches_one_process(pool):
+    results = pool.run(_fit_hsdp_tp_cp)
+    assert results[0]["degrees"] == {"dp_replicate": 2, "dp_shard": 1, "pp": 1, "cp": 2, "tp": 2}
+    axes, places = results[0]["placements"]["model.layers.0.attention.wq.weight"]
+    assert axes == ("dp_replicate", "dp_shard_cp", "tp") and places[1:] == ("_S(0, 2)", "S(0)"), (axes, places)
+    want_losses, want_params = T.reference("meshkit", STEPS, 2, world=8)
+    torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    T.assert_params_close(results[0]["params"], want_params)

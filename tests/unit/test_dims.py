@@ -55,7 +55,7 @@ def test_global_batch_must_divide_by_dp():
 
 
 def test_unknown_preset():
-    with pytest.raises(ValueError, match=r"unknown `preset='hsdp_tpp'`; choose one of \['auto_nd', 'fsdp2', 'hsdp', 'hsdp_tp', 'tp'\]"):
+    with pytest.raises(ValueError, match=r"unknown `preset='hsdp_tpp'`; choose one of \['auto_nd', 'cp', 'fsdp2', 'hsdp', 'hsdp_cp', 'hsdp_tp', 'hsdp_tp_cp', 'tp'\]"):
         meshkit.NDParallelStrategy("hsdp_tpp")
 
 
