@@ -8,7 +8,15 @@
     trainer = L.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=4)
 """
 
-from meshkit.plugins import PRESETS, NDParallelStrategy, ParallelDims, register_presets
+from meshkit.plugins import (
+    PRESETS,
+    NDParallelStrategy,
+    ParallelDims,
+    apply_context_parallel,
+    context_parallel_attention,
+    register_presets,
+    shard_batch,
+)
 from meshkit.plugins.planner import ModelSpec, plan, plan_for_world
 from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
 
@@ -18,6 +26,9 @@ __all__ = [
     "NDParallelStrategy",
     "ParallelDims",
     "PRESETS",
+    "apply_context_parallel",
+    "context_parallel_attention",
+    "shard_batch",
     "ModelSpec",
     "plan",
     "plan_for_world",
