@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Callable, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from meshkit.kernels import _backend, kernel_backend
 
@@ -54,3 +56,17 @@ def triton_and_reference(fn: Callable, inputs: Sequence[torch.Tensor]) -> tuple[
     with kernel_backend("reference"):
         ref = forward_backward(fn, inputs)
     return tri, ref
+
+
+class OpCounter(TorchFunctionMode):
+    """Counts calls of meshkit's custom ops (``meshkit.<op>.default``) inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("meshkit."):
+            self.counts[name.split(".")[1]] += 1
+        return func(*args, **(kwargs or {}))
