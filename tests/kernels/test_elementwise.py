@@ -12,7 +12,7 @@ from meshkit.models.llama import apply_rope, rope_cos_sin
 from ._helpers import DTYPES, TOL, TOL_FORMULA, assert_close, f32, forward_backward, triton_and_reference
 
 # Odd rows (5, 37) and widths (123, 3000) beside a round shape; the interpreter costs ~1 ms a program.
-SHAPES = [(5, 3000), (37, 123), (4, 64)]
+SHAPES = [(5, 3000), (37, 123)]
 
 
 def _inputs(shape, dtype, n, seed=0):
@@ -45,11 +45,9 @@ def test_add_rms_norm(dtype, shape):
     fn = lambda x, r, w: add_rms_norm(x, r, w, 1e-6)  # noqa: E731
     tri, ref = triton_and_reference(fn, [x, r, w])
     assert_close(tri, ref, TOL[dtype], "triton vs reference")
-    unfused = forward_backward(lambda x, r, w: (rms_norm(x + r, w, 1e-6), x + r), [x, r, w])
     with kernel_backend("reference"):
-        assert_close(ref, forward_backward(lambda x, r, w: (rms_norm(x + r, w, 1e-6), x + r), [x, r, w]),
-                     TOL[dtype], "fused vs unfused")  # fmt: skip
-    assert len(unfused) == 5
+        unfused = forward_backward(lambda x, r, w: (rms_norm(x + r, w, 1e-6), x + r), [x, r, w])
+    assert_close(ref, unfused, TOL[dtype], "fused vs unfused")
 
 
 def test_rms_norm_by_hand():
@@ -93,9 +91,15 @@ def _complex_rope(x, positions, theta):  # Meta's formulation: pairs (2i, 2i+1) 
     return torch.view_as_real(xc * rot).flatten(-2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("shape,batch_positions", [((2, 4, 4, 16), True), ((1, 5, 3, 10), False)])
+@pytest.mark.parametrize(
+    "dtype,interleaved,shape,batch_positions",
+    [
+        (torch.float32, False, (2, 4, 4, 16), True),
+        (torch.float32, True, (1, 5, 3, 10), False),
+        (torch.float16, False, (1, 5, 3, 10), False),
+        (torch.float16, True, (2, 4, 4, 16), True),
+    ],
+)
 def test_rope(dtype, interleaved, shape, batch_positions):
     B, T, H, D = shape
     q, = _inputs(shape, dtype, 1)
