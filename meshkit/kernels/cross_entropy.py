@@ -70,7 +70,7 @@ def _stats(z, target, vocab_start):
         return m, s, zt
     zf = z.float()
     m = zf.max(-1).values
-    s = torch.exp(zf - m[:, None]).sum(-1)
+    s = torch.exp(torch.logsumexp(zf, -1) - m)
     local = target - vocab_start
     hit = (local >= 0) & (local < v)
     zt = torch.where(hit, zf.gather(1, local.clamp(0, v - 1)[:, None])[:, 0], torch.zeros_like(m))
@@ -84,11 +84,14 @@ def _grad_inplace(z, target, lse, scale, vocab_start) -> None:
             _ce_grad_kernel[(rows,)](z, target, lse, scale, z.stride(0), v, vocab_start,
                                        BLOCK_V=block_size(v, _BLOCK_V), num_warps=warps(block_size(v, _BLOCK_V)))
         return
-    g = torch.exp(z.float() - lse[:, None])
+    g = z if z.dtype == torch.float32 else z.float()  # in place for fp32: no chunk-sized temporaries
+    g.sub_(lse[:, None]).exp_()
     local = target - vocab_start
-    hit = (local >= 0) & (local < v)
-    g[hit, local[hit]] -= 1.0
-    z.copy_(g * scale[:, None])
+    rows = torch.nonzero((local >= 0) & (local < v))[:, 0]
+    g[rows, local[rows]] -= 1.0
+    g.mul_(scale[:, None])
+    if g is not z:
+        z.copy_(g)
 
 
 def _chunk_rows(n: int, v: int, h: int) -> int:
@@ -120,8 +123,11 @@ def _flce(h, w, target, ignore_index: int, reduction: str, vocab_start: int, gro
         lse = m + torch.log(s)
         loss_rows[a:b] = torch.where(valid[a:b], lse - zt, torch.zeros_like(lse))
         _grad_inplace(z, tc, lse, scale_all[a:b].contiguous(), vocab_start)
-        dh[a:b] = z @ w
-        dw += (z.t() @ hc).float()
+        torch.mm(z, w, out=dh[a:b])
+        if z.dtype == torch.float32:
+            dw.addmm_(z.t(), hc)  # no (V, H) temporary
+        else:
+            dw += z.t() @ hc  # tensor-core matmul, fp32 accumulation across chunks
     loss = loss_rows.sum()
     if reduction == "mean":
         loss = loss / n_valid  # 0/0 = nan with no valid token, as F.cross_entropy
@@ -141,16 +147,39 @@ def _(h, w, target, ignore_index, reduction):
     return h.new_empty((), dtype=torch.float32), torch.empty_like(h), w.new_empty(w.shape, dtype=torch.float32)
 
 
+def _stash(ctx, dh, dw, w_dtype) -> None:
+    # Kept as attributes, not saved tensors: backward hands them over as the only reference, so
+    # AccumulateGrad adopts them instead of cloning a (V, H) fp32 buffer.
+    ctx.grads, ctx.w_dtype = (dh, dw), w_dtype
+
+
+def _take(ctx):
+    if ctx.grads is None:
+        raise RuntimeError(
+            "fused_linear_cross_entropy: backward ran twice through one graph; the gradients are formed in the "
+            "forward and handed over once (retain_graph=True is not supported). Run the forward again."
+        )
+    grads, ctx.grads = ctx.grads, None
+    return grads
+
+
 def _setup_context(ctx, inputs, output):
     _, w, _, _, _ = inputs
     _, dh, dw = output
-    ctx.w_dtype = w.dtype
-    ctx.save_for_backward(dh, dw)
+    ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the dh and dw outputs
+    _stash(ctx, dh, dw, w.dtype)
+
+
+def _scaled(dh, dw, dloss, w_dtype):
+    # The usual upstream gradient is 1 (loss.backward()): skip two full-size copies (one sync to check).
+    if bool(dloss == 1):
+        return dh, dw.to(w_dtype)
+    return (dh * dloss).to(dh.dtype), (dw * dloss).to(w_dtype)
 
 
 def _backward(ctx, dloss, _dh, _dw):
-    dh, dw = ctx.saved_tensors
-    return (dh * dloss).to(dh.dtype), (dw * dloss).to(ctx.w_dtype), None, None, None
+    dh, dw = _take(ctx)
+    return (*_scaled(dh, dw, dloss, ctx.w_dtype), None, None, None)
 
 
 _flce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -162,14 +191,13 @@ class _VocabParallelFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, target, ignore_index, reduction, vocab_start, group, chunk):  # type: ignore[override]
         loss, dh, dw = _flce(h, w, target, ignore_index, reduction, vocab_start, group, chunk)
-        ctx.w_dtype = w.dtype
-        ctx.save_for_backward(dh, dw)
+        _stash(ctx, dh, dw, w.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, dloss):  # type: ignore[override]
-        dh, dw = ctx.saved_tensors
-        return (dh * dloss).to(dh.dtype), (dw * dloss).to(ctx.w_dtype), None, None, None, None, None, None
+        dh, dw = _take(ctx)
+        return (*_scaled(dh, dw, dloss, ctx.w_dtype), None, None, None, None, None, None)
 
 
 def _check(hidden, weight, target, ignore_index, reduction) -> None:

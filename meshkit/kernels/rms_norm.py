@@ -181,6 +181,7 @@ def _setup_context(ctx, inputs, output):
     x, residual, weight, _ = inputs
     _, res_out, rstd = output
     ctx.has_res = residual is not None
+    ctx.set_materialize_grads(False)  # no zero tensors for unused outputs (rstd, an unused residual)
     ctx.save_for_backward(res_out if ctx.has_res else x, weight, rstd)
 
 
