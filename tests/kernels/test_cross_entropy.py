@@ -72,6 +72,25 @@ def test_flce_all_ignored_is_nan_like_cross_entropy():
     assert torch.isnan(F.cross_entropy(hidden @ weight.t(), target))
 
 
+def test_flce_backward_twice_raises():
+    hidden, weight, target = _problem(4, 8, 10, torch.float32)
+    hidden.requires_grad_()
+    with kernel_backend("reference"):
+        loss = fused_linear_cross_entropy(hidden, weight, target)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward ran twice through one graph"):
+            loss.backward()
+
+
+def test_flce_scales_by_upstream_gradient():
+    hidden, weight, target = _problem(6, 8, 10, torch.float32)
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    with kernel_backend("reference"):
+        (3.0 * fused_linear_cross_entropy(h1, weight, target)).backward()
+    (3.0 * F.cross_entropy(h2 @ weight.t(), target)).backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-7)
+
+
 def test_flce_bad_inputs():
     hidden, weight, target = _problem(4, 8, 10, torch.float32)
     fn = fused_linear_cross_entropy
