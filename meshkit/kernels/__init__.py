@@ -13,7 +13,7 @@ Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import. ``MESHKIT
 
 from ._backend import kernel_backend
 from .cross_entropy import fused_linear_cross_entropy
-from .patching import apply_fused_kernels, fused_lm_loss
+from .patching import apply_fused_kernels, fused_lm_loss, uses_fused_loss
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import rope
 from .specs import builtin_kernel_specs
@@ -27,6 +27,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "apply_fused_kernels",
     "fused_lm_loss",
+    "uses_fused_loss",
     "kernel_backend",
     "builtin_kernel_specs",
 ]

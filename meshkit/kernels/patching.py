@@ -15,6 +15,7 @@ state dicts and TP/FSDP plans are unaffected, and the patched modules accept DTe
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import types
@@ -31,7 +32,7 @@ from .rms_norm import rms_norm
 from .rope import rotate_with_cos_sin
 from .swiglu import swiglu
 
-__all__ = ["apply_fused_kernels", "fused_lm_loss"]
+__all__ = ["apply_fused_kernels", "fused_lm_loss", "uses_fused_loss"]
 
 _MARK = "_meshkit_fused"
 _HF_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
@@ -175,6 +176,13 @@ def _hf_attention_forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
+def _keep_signature(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    # TP plans read forward signatures (e.g. PrepareModuleInput's arity): show the original one.
+    if forward in (_hf_attention_forward, _hf_causal_lm_forward):
+        return functools.wraps(type(module).forward)(lambda self, *a, **k: forward(self, *a, **k))
+    return forward
+
+
 def _hf_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None, **kwargs):
     """*ForCausalLM.forward; with ``labels`` the loss is fused (HF's shift and ``num_items_in_batch`` rule)."""
     if labels is None or args:
@@ -224,6 +232,22 @@ def _kind(m: nn.Module) -> tuple[str, Callable[..., Any]] | None:
     return None
 
 
+def uses_fused_loss(model: nn.Module) -> bool:
+    """True when ``model`` (or its ``model`` attribute, e.g. a LightningModule's) has the fused-loss patch,
+    i.e. its root forward accepts ``labels=`` and then returns the loss instead of the logits.
+
+    Example::
+
+        >>> from meshkit.models import LlamaConfig, Transformer
+        >>> from meshkit.kernels import apply_fused_kernels, uses_fused_loss
+        >>> m = Transformer(LlamaConfig.tiny())
+        >>> uses_fused_loss(m), uses_fused_loss(apply_fused_kernels(m) and m)
+        (False, True)
+    """
+    inner = getattr(model, "model", None)
+    return getattr(model, _MARK, None) == "loss" or (isinstance(inner, nn.Module) and getattr(inner, _MARK, None) == "loss")
+
+
 def apply_fused_kernels(
     model: nn.Module, *, rms_norm: bool = True, swiglu: bool = True, rope: bool = True, loss: bool = True
 ) -> dict[str, int]:
@@ -253,7 +277,7 @@ def apply_fused_kernels(
             continue
         if forward is _hf_attention_forward:
             _install_hf_rope_shim(type(m).__module__)
-        m.forward = types.MethodType(forward, m)
+        m.forward = types.MethodType(_keep_signature(forward, m), m)
         setattr(m, _MARK, kind)
         counts[kind] += 1
     if not found:

@@ -129,43 +129,15 @@ def test_sequence_parallel_rmsnorm_and_dtensor_elementwise(pool, backend):
 
 
 def _parallelize(model, mesh, tp_mesh, sequence_parallel: bool) -> None:
-    """torchtitan's Llama plan (colwise wq/wk/wv/w1/w3, rowwise wo/w2, rowwise embeddings, colwise
-    output), optionally with sequence parallelism on the norms, then FSDP2 per block and root on dp."""
+    """The strategy's automatic path: meshkit's inferred TP plan (torchtitan-style: colwise wq/wk/wv/w1/w3,
+    rowwise wo/w2, rowwise embeddings, colwise output, SequenceParallel norms if asked), then FSDP2 per
+    block and root over dp."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
 
-    sp = Shard(1) if sequence_parallel else Replicate()
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=sp),
-        "output": ColwiseParallel(input_layouts=sp, output_layouts=Replicate()),
-    }
-    if sequence_parallel:
-        root_plan["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, root_plan)
+    from meshkit.plugins.tensor_parallel import apply_tp, infer_tp_plan
+
+    apply_tp(model, tp_mesh, infer_tp_plan(model, sequence_parallel=sequence_parallel))
     for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(input_layouts=(sp, None, None), desired_input_layouts=(Replicate(), None, None),
-                                            use_local_output=True),  # fmt: skip
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=sp),
-            "feed_forward": PrepareModuleInput(input_layouts=(sp,), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),  # fmt: skip
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=sp),
-            "feed_forward.w3": ColwiseParallel(),
-        }
-        if sequence_parallel:
-            plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
-        parallelize_module(block, tp_mesh, plan)
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
 
