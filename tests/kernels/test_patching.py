@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkit.kernels import apply_fused_kernels, builtin_kernel_specs, fused_lm_loss, kernel_backend, rms_norm, swiglu
+from meshkit.kernels import (
+    apply_fused_kernels,
+    builtin_kernel_specs,
+    fused_lm_loss,
+    kernel_backend,
+    rms_norm,
+    swiglu,
+    uses_fused_loss,
+)
 from meshkit.models.llama import LlamaConfig, Transformer, synthetic_tokens
 
 from ._helpers import OpCounter
@@ -48,6 +56,7 @@ def test_demo_model_patched_matches_unpatched(backend, layers, seq):
     counts = apply_fused_kernels(fused)
     assert counts == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers, "loss": 1}
     assert list(fused.state_dict()) == list(plain.state_dict())  # FQNs and parameter names unchanged
+    assert uses_fused_loss(fused) and not uses_fused_loss(plain)
     data = synthetic_tokens(2, seq, 256)
     tokens, labels = data[:, :-1], data[:, 1:].clone()
     labels[0, 2] = -100  # fused loss honours ignore_index like F.cross_entropy
