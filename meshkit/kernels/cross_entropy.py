@@ -99,14 +99,14 @@ def _chunk_rows(n: int, v: int, h: int) -> int:
     return max(1, min(n, triton.next_power_of_2(-(-n // max(1, -(-v // h)))) if HAS_TRITON else n))
 
 
-def _flce(h, w, target, ignore_index: int, reduction: str, vocab_start: int, group, chunk: int | None):
+def _flce(h, w, target, ignore_index: int, reduction: str, vocab_start: int, group, chunk: int | None, grads=True):
     """Loss, dh (partial over ``group``), dw (fp32) for h (N, H), local w (V_loc, H), target (N,)."""
     n, v = h.shape[0], w.shape[0]
     valid = target != ignore_index
     n_valid = valid.sum()
     scale_all = valid.float() / n_valid.clamp(min=1) if reduction == "mean" else valid.float()
-    dh = torch.empty_like(h)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    dh = torch.empty_like(h) if grads else h.new_empty(0)
+    dw = torch.zeros(w.shape if grads else (0,), dtype=torch.float32, device=w.device)
     loss_rows = torch.zeros(n, dtype=torch.float32, device=h.device)
     step = chunk or _chunk_rows(n, v, h.shape[1])
     for a in range(0, n, step):
@@ -122,6 +122,8 @@ def _flce(h, w, target, ignore_index: int, reduction: str, vocab_start: int, gro
             m, s, zt = m_all, st[0], st[1]
         lse = m + torch.log(s)
         loss_rows[a:b] = torch.where(valid[a:b], lse - zt, torch.zeros_like(lse))
+        if not grads:  # evaluation: the loss alone
+            continue
         _grad_inplace(z, tc, lse, scale_all[a:b].contiguous(), vocab_start)
         torch.mm(z, w, out=dh[a:b])
         if z.dtype == torch.float32:
@@ -231,6 +233,24 @@ def _check(hidden, weight, target, ignore_index, reduction) -> None:
         )
 
 
+def _loss_only(hidden, weight, target, ignore_index, reduction, chunk_size):
+    """No gradient wanted (evaluation): the same chunked loss without forming dh and dW."""
+    group, vocab_start = None, 0
+    if is_dtensor(weight):
+        mesh = weight.device_mesh
+        if is_dtensor(hidden):
+            hidden = hidden.redistribute(mesh, [Replicate()]).to_local()
+        if is_dtensor(target):
+            target = target.redistribute(mesh, [Replicate()]).to_local()
+        if isinstance(weight.placements[0], Shard):
+            group = mesh.get_group(0)
+            vocab_start = mesh.get_local_rank() * (-(-weight.shape[0] // mesh.size()))
+        weight = weight.to_local()
+    h2, t2 = hidden.reshape(-1, hidden.shape[-1]).contiguous(), target.reshape(-1).long().contiguous()
+    with torch.no_grad():
+        return _flce(h2, weight.contiguous(), t2, ignore_index, reduction, vocab_start, group, chunk_size, grads=False)[0]
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -262,6 +282,8 @@ def fused_linear_cross_entropy(
     _check(hidden, weight, target, ignore_index, reduction)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"fused_linear_cross_entropy: `chunk_size={chunk_size}` must be >= 1 (or None).")
+    if not is_dtensor(weight) and not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return _loss_only(hidden, weight, target, ignore_index, reduction, chunk_size)
     if not is_dtensor(weight):
         if is_dtensor(hidden):
             raise ValueError("fused_linear_cross_entropy: `hidden` is a DTensor but `weight` is not.")
@@ -270,6 +292,8 @@ def fused_linear_cross_entropy(
             return _flce_op(h2, weight, t2, ignore_index, reduction)[0]
         return _VocabParallelFLCE.apply(h2.contiguous(), weight.contiguous(), t2.contiguous(), ignore_index,
                                         reduction, 0, None, chunk_size)  # fmt: skip
+    if not (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)):
+        return _loss_only(hidden, weight, target, ignore_index, reduction, chunk_size)
     mesh = weight.device_mesh
     (place,) = weight.placements if mesh.ndim == 1 else (None,)
     if mesh.ndim != 1 or not isinstance(place, (Shard, Replicate)) or (isinstance(place, Shard) and place.dim != 0):

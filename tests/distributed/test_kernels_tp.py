@@ -59,6 +59,9 @@ def _flce_body(rank, world_size, tp, hidden_layout, backend):
     with kernel_backend(backend):
         loss = fused_linear_cross_entropy(h, w, target, chunk_size=5)
         loss.backward()
+        with torch.no_grad():  # evaluation path: loss only, same collectives
+            loss_eval = fused_linear_cross_entropy(h, w, target)
+    assert abs(loss_eval.item() - loss.item()) < 1e-6
     h_grad = h.grad.full_tensor() if hidden_layout != "plain" else h.grad
     return _rel(loss, ref), _rel(h_grad, h_ref.grad), _rel(w.grad.full_tensor(), w_ref.grad), w.to_local().shape[0]
 

@@ -72,6 +72,13 @@ def test_flce_all_ignored_is_nan_like_cross_entropy():
     assert torch.isnan(F.cross_entropy(hidden @ weight.t(), target))
 
 
+def test_flce_without_grad_gives_the_same_loss():
+    hidden, weight, target = _problem(37, 24, 301, torch.float32)
+    with kernel_backend("triton"), torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, target, chunk_size=8)
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.t(), target), rtol=1e-6, atol=1e-6)
+
+
 def test_flce_backward_twice_raises():
     hidden, weight, target = _problem(4, 8, 10, torch.float32)
     hidden.requires_grad_()
