@@ -8,10 +8,43 @@
     trainer = L.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=4)
 """
 
-from meshkit.plugins import PRESETS, NDParallelStrategy, ParallelDims, register_presets
+from meshkit.plugins import (
+    PRESETS,
+    NDParallelStrategy,
+    ParallelDims,
+    apply_context_parallel,
+    context_parallel_attention,
+    register_presets,
+    shard_batch,
+)
+from meshkit.plugins.planner import ModelSpec, plan, plan_for_world
+from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
 
 __version__ = "0.1.0"
 
-__all__ = ["NDParallelStrategy", "ParallelDims", "PRESETS", "__version__"]
+__all__ = [
+    "NDParallelStrategy",
+    "ParallelDims",
+    "PRESETS",
+    "apply_context_parallel",
+    "context_parallel_attention",
+    "shard_batch",
+    "ModelSpec",
+    "plan",
+    "plan_for_world",
+    "theoretical_occupancy",
+    "kernel_occupancy",
+    "sweep_occupancy",
+    "TritonKernelReport",
+    "__version__",
+]
+
+
+def __getattr__(name: str):  # Lightning callbacks load lazily: `import meshkit` stays light
+    if name == "TritonKernelReport":
+        from meshkit.profiling.occupancy_tb import TritonKernelReport
+
+        return TritonKernelReport
+    raise AttributeError(f"module 'meshkit' has no attribute {name!r}")
 
 register_presets()

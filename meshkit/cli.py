@@ -17,6 +17,14 @@ __all__ = ["main"]
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("meshkit.demo", "train a small Llama on CPU gloo processes with strategy='hsdp_tp'"),
     "consolidate": ("meshkit.plugins.checkpointing", "turn a sharded (DCP) checkpoint into one state-dict file"),
+    "plan": (
+        "meshkit.plugins.planner",
+        "rank every dp/pp/cp/tp layout of a model on a cluster: memory, comm, bubble, predicted MFU",
+    ),
+    "occupancy": (
+        "meshkit.profiling.occupancy",
+        "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",
+    ),
 }
 
 

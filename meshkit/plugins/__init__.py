@@ -1,6 +1,15 @@
 """meshkit.plugins: everything that changes how a model is trained."""
 
+from meshkit.plugins.context_parallel import apply_context_parallel, context_parallel_attention, shard_batch
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.strategy import PRESETS, NDParallelStrategy, register_presets
 
-__all__ = ["NDParallelStrategy", "ParallelDims", "PRESETS", "register_presets"]
+__all__ = [
+    "NDParallelStrategy",
+    "ParallelDims",
+    "PRESETS",
+    "register_presets",
+    "apply_context_parallel",
+    "context_parallel_attention",
+    "shard_batch",
+]

@@ -86,6 +86,11 @@ class PipelineHooks:
     # ---- setup --------------------------------------------------------------------------------
     def parallelize(self, strategy: Any, lm: nn.Module) -> nn.Module:
         dims = strategy.parallel_dims
+        if dims.cp_enabled:
+            raise ValueError(
+                f"NDParallelStrategy: `pp={dims.pp}` with `cp={dims.cp}` is not supported yet: the pipeline stages do not "
+                "shard sequences. Use cp=1 with pp, or pp=1 with cp."
+            )
         attr, model = _find_model(lm)
         self.group = dims.mesh["pp"].get_group()
         pp, pp_rank = dims.pp, dims.mesh["pp"].get_local_rank()

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins import fsdp as _fsdp
 from meshkit.plugins._pp_lightning import PipelineHooks, flat_optimizer_state, load_sharded_checkpoint
 from meshkit.plugins.dims import ParallelDims, auto_tp
@@ -58,6 +59,10 @@ class Preset:
     """dp_replicate = num_nodes (HSDP across nodes)."""
     tp: bool = False
     """tp = the largest size within a node that divides the model's heads, kv heads and hidden size."""
+    cp: bool = False
+    """cp = the node's devices (2 when tp is also on): sequences split over cp ranks inside a node."""
+    planner: bool = False
+    """Sizes come from meshkit's layout planner (memory, bandwidth and bubble math) for this world."""
     pp: bool = False
     """pp = 2 pipeline stages (pass ``pp=`` for more); see meshkit.plugins.pipeline."""
 
@@ -69,6 +74,12 @@ PRESETS: dict[str, Preset] = {
         Preset("hsdp", "HSDP: sharded within a node, replicated across nodes", replicate=True),
         Preset("tp", "Tensor parallel within a node (FSDP2 over whatever is left)", tp=True),
         Preset("hsdp_tp", "Tensor parallel within a node, HSDP over the rest", replicate=True, tp=True),
+        Preset("cp", "Context parallel: sequences split over a node's ranks (FSDP2 over dp_shard × cp)", cp=True),
+        Preset("hsdp_cp", "Context parallel within a node, HSDP across nodes", replicate=True, cp=True),
+        Preset(
+            "hsdp_tp_cp", "Tensor × context parallel within a node, HSDP across nodes", replicate=True, tp=True, cp=True
+        ),
+        Preset("auto_nd", "Layout chosen by meshkit's planner from memory, bandwidth and bubble math", planner=True),
         # Pipeline presets (meshkit.plugins._pp_lightning): pp "auto" = 2 stages.
         Preset("pp", "Pipeline parallel (2 stages unless pp= is given), FSDP2 over the rest", pp=True),
         Preset("tp_pp", "Tensor parallel within a node inside each pipeline stage", tp=True, pp=True),
@@ -106,7 +117,10 @@ def resolve_dims(
     heads, kv_heads, hidden = model_shape(model) if model is not None else (None, None, None)
     out: dict[str, int] = {}
     out["pp"] = (2 if preset.pp else 1) if sizes["pp"] == "auto" else int(sizes["pp"])
-    out["cp"] = 1 if sizes["cp"] == "auto" else int(sizes["cp"])
+    if sizes["cp"] == "auto":
+        out["cp"] = _auto_cp(preset, per_node // out["pp"] if per_node % out["pp"] == 0 else 1)
+    else:
+        out["cp"] = int(sizes["cp"])
     if sizes["dp_replicate"] == "auto":
         out["dp_replicate"] = num_nodes if preset.replicate else 1
     else:
@@ -136,11 +150,21 @@ def resolve_dims(
     return dims
 
 
+def _auto_cp(preset: Preset, room: int) -> int:
+    """Context parallel size for "auto": the node's ``room`` devices, or 2 of them when TP shares the node."""
+    if not preset.cp:
+        return 1
+    if preset.tp:
+        return 2 if room % 2 == 0 and room > 1 else 1
+    return room
+
+
 class NDParallelStrategy(ModelParallelStrategy):
     """HSDP (FSDP2 over a replicate × shard mesh) × tensor parallel × (pipeline, context) for Lightning.
 
     Args:
-        preset: a name from :data:`PRESETS` (``"fsdp2" "hsdp" "tp" "hsdp_tp"``): which axes ``"auto"`` turns on.
+        preset: a name from :data:`PRESETS` (``"fsdp2" "hsdp" "tp" "hsdp_tp" "cp" "hsdp_cp" "hsdp_tp_cp"``):
+            which axes ``"auto"`` turns on.
         dp_replicate, dp_shard, pp, cp, tp: sizes of each mesh axis, or ``"auto"`` (resolved from devices,
             num_nodes and the model in ``setup_environment``). Their product must be the world size.
         tp_plan: extra or overriding TP rules, ``{fnmatch pattern: "colwise" | "rowwise" | "replicate" | style}``.
@@ -151,6 +175,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); False = ZeRO-2.
         global_batch_size: if given, checked to be divisible by the data-parallel size.
         save_distributed_checkpoint: DCP-sharded checkpoints (default) or one consolidated file.
+        cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
+        cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
             (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
 
@@ -180,6 +206,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         global_batch_size: Optional[int] = None,
         save_distributed_checkpoint: bool = True,
+        cp_attention: str = "ring",
+        cp_layout: str = "load_balanced",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         pp_schedule: str = "1f1b",
@@ -198,6 +226,11 @@ class NDParallelStrategy(ModelParallelStrategy):
                 f"NDParallelStrategy: `activation_checkpointing={activation_checkpointing!r}` must be "
                 "'none', 'full' or 'selective'."
             )
+        if cp_attention not in _cp.CP_ATTENTIONS or cp_layout not in _cp.CP_LAYOUTS:
+            raise ValueError(
+                f"NDParallelStrategy: `cp_attention={cp_attention!r}` must be one of {_cp.CP_ATTENTIONS} and "
+                f"`cp_layout={cp_layout!r}` one of {_cp.CP_LAYOUTS}."
+            )
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -215,6 +248,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._global_batch_size = global_batch_size
         self._parallel_dims: Optional[ParallelDims] = None
+        self._cp_attention, self._cp_layout = cp_attention, cp_layout
         # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
         self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
@@ -231,12 +265,29 @@ class NDParallelStrategy(ModelParallelStrategy):
         precision = getattr(self.precision_plugin, "precision", "32-true")
         _fsdp.mixed_precision_policy(precision)  # raises for unsupported precision
         world = self.num_nodes * self.num_processes
-        dims = resolve_dims(
-            self.preset, self._sizes, world_size=world, num_nodes=self.num_nodes, model=self.lightning_module
-        )
+        if self.preset.planner and all(v == "auto" for v in self._sizes.values()):
+            dims = self._planned_dims(world)
+        else:
+            dims = resolve_dims(
+                self.preset, self._sizes, world_size=world, num_nodes=self.num_nodes, model=self.lightning_module
+            )
         if self._global_batch_size is not None:
             dims.check_batch(self._global_batch_size)
+        self._check_cp(dims)
         return dims
+
+    def _planned_dims(self, world: int) -> ParallelDims:
+        """``auto_nd``: ask the planner for this world, device and model; it logs its table and choice."""
+        from meshkit.plugins.planner import auto_nd_dims
+
+        dev = self.root_device
+        return auto_nd_dims(
+            self.lightning_module, world_size=world, num_nodes=self.num_nodes,
+            device="cpu" if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+            memory_gb=None if dev.type == "cpu" else torch.cuda.get_device_properties(dev).total_memory / 2**30,
+            global_batch=self._global_batch_size, reshard_after_forward=self._reshard_after_forward,
+            sequence_parallel=self._sequence_parallel, activation_checkpointing=self._ac, log=rank_zero_info,
+        )
 
     @override
     def setup_environment(self) -> None:
@@ -289,6 +340,10 @@ class NDParallelStrategy(ModelParallelStrategy):
                 loss_parallel=self._loss_parallel,
             )
             apply_tp(module, dims.mesh["tp"], plan)
+        if dims.cp_enabled:  # after TP (attention sees its local heads), before AC (recomputation is routed too)
+            _cp.apply_context_parallel(
+                module, dims.submesh("cp"), attention=self._cp_attention, layout=self._cp_layout
+            )
         blocks = _fsdp.find_blocks(module)
         _fsdp.apply_ac(blocks, self._ac)
         if self._compile:
@@ -313,7 +368,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._pipeline.active:  # the schedule runs forward and backward of every micro-batch
             return self._pipeline.training_step(self.lightning_module, args[0])
         with self._loss_context():
-            return super().training_step(*args, **kwargs)
+            return self._cp_loss(super().training_step(*args, **kwargs))
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -363,6 +418,43 @@ class NDParallelStrategy(ModelParallelStrategy):
             _fsdp.clip_grad_norm_(params, float(clip_val))
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # ---- context parallelism --------------------------------------------------------------------
+    def _check_cp(self, dims: ParallelDims) -> None:
+        """Ulysses needs each TP rank's heads divisible by cp; raised on every rank before any collective."""
+        if not dims.cp_enabled or self._cp_attention != "ulysses" or self.lightning_module is None:
+            return
+        heads, kv_heads, _ = model_shape(self.lightning_module)
+        if heads is None:
+            return
+        local, local_kv = heads // dims.tp, max(1, (kv_heads or heads) // dims.tp)
+        if local % dims.cp or (local_kv % dims.cp and dims.cp % local_kv):
+            raise ValueError(
+                f"NDParallelStrategy: `cp_attention='ulysses'` with `cp={dims.cp}` and `tp={dims.tp}` needs the "
+                f"heads per TP rank ({local}) divisible by cp and the kv heads per TP rank ({local_kv}) a multiple "
+                "or divisor of cp. Use cp_attention='ring' or 'allgather', or a smaller cp."
+            )
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._parallel_dims is not None and self._parallel_dims.cp_enabled:
+            batch = _cp.shard_batch(batch, self._parallel_dims.submesh("cp"), layout=self._cp_layout)
+        return batch
+
+    def _cp_loss(self, output: Any) -> Any:
+        """Report the loss averaged over dp × cp; its gradient stays the local one (FSDP averages those)."""
+        if self._parallel_dims is None or not self._parallel_dims.cp_enabled:
+            return output
+        loss = output["loss"] if isinstance(output, dict) else output
+        if not isinstance(loss, torch.Tensor):
+            return output
+        mean = loss.detach().clone()
+        group = self._parallel_dims.submesh("dp_cp").get_group()
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG, group=group)
+        loss = loss + (mean - loss.detach())
+        return {**output, "loss": loss} if isinstance(output, dict) else loss
 
     # ---- checkpoints --------------------------------------------------------------------------
     @override
