@@ -8,6 +8,7 @@
     trainer = L.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=4)
 """
 
+from meshkit import kernels
 from meshkit.plugins import (
     PRESETS,
     NDParallelStrategy,
@@ -36,6 +37,7 @@ __all__ = [
     "kernel_occupancy",
     "sweep_occupancy",
     "TritonKernelReport",
+    "kernels",
     "__version__",
 ]
 

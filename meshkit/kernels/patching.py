@@ -112,20 +112,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return rotate_with_cos_sin(x, cos, sin, False)
 
 
-def _demo_attention_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # meshkit.models.llama.Attention.forward with the fused rope; keep the two in step.
-    bsz, seqlen, _ = x.shape
-    q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, nh, hd)
-    k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
-    v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+def _demo_rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """meshkit.models.llama.Attention.rotate with the fused rope (installed as ``rotate``, not ``forward``)."""
     c, s = _half_cos_sin(cos, sin, self.head_dim)
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
-    if self.n_rep > 1:
-        k = k.repeat_interleave(self.n_rep, dim=1)
-        v = v.repeat_interleave(self.n_rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+    return _rotate(q, c, s), _rotate(k, c, s)
 
 
 def _demo_root_forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, labels=None):
@@ -212,7 +202,7 @@ def _kind(m: nn.Module) -> tuple[str, Callable[..., Any]] | None:
         return {
             "RMSNorm": ("rms_norm", _rmsnorm_forward),
             "FeedForward": ("swiglu", _feed_forward_forward),
-            "Attention": ("rope", _demo_attention_forward),
+            "Attention": ("rope", _demo_rotate),
             "Transformer": ("loss", _demo_root_forward),
         }.get(cls)
     if isinstance(m, nn.RMSNorm) and m.weight is not None and len(m.normalized_shape) == 1:
@@ -277,7 +267,10 @@ def apply_fused_kernels(
             continue
         if forward is _hf_attention_forward:
             _install_hf_rope_shim(type(m).__module__)
-        m.forward = types.MethodType(_keep_signature(forward, m), m)
+        if forward is _demo_rotate:
+            m.rotate = types.MethodType(forward, m)
+        else:
+            m.forward = types.MethodType(_keep_signature(forward, m), m)
         setattr(m, _MARK, kind)
         counts[kind] += 1
     if not found:

@@ -113,13 +113,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of q, k (B, T, H, D); ``meshkit.kernels`` swaps its fused kernel in here."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         # -1: the local head count, which TP divides.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, nh, hd)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)  # (B, T, nkv, hd)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
         if self.n_rep > 1:
             k = k.repeat_interleave(self.n_rep, dim=1)
@@ -203,6 +209,11 @@ class LlamaLM(L.LightningModule):
             inputs, labels = batch["input_ids"], batch["labels"]
         else:
             inputs, labels = batch[:, :-1], batch[:, 1:]
+        from meshkit.kernels import uses_fused_loss
+
+        if uses_fused_loss(self.model):
+            # meshkit.kernels patched the root: the fused loss never materializes the (tokens × vocab) logits.
+            return self.model(inputs, labels=labels)
         logits = self(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 

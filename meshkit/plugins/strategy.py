@@ -177,6 +177,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: DCP-sharded checkpoints (default) or one consolidated file.
         cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
         cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
+        fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
+            (:func:`meshkit.kernels.apply_fused_kernels`) before parallelizing.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
             (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
 
@@ -208,6 +210,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         cp_attention: str = "ring",
         cp_layout: str = "load_balanced",
+        fused_kernels: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         pp_schedule: str = "1f1b",
@@ -249,6 +252,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._global_batch_size = global_batch_size
         self._parallel_dims: Optional[ParallelDims] = None
         self._cp_attention, self._cp_layout = cp_attention, cp_layout
+        self._fused_kernels = fused_kernels
         # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
         self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
@@ -328,8 +332,12 @@ class NDParallelStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: nn.Module) -> nn.Module:
-        """The automatic path on ``module`` (in place): TP -> AC -> compile -> FSDP2."""
+        """The automatic path on ``module`` (in place): fused kernels -> TP -> CP -> AC -> compile -> FSDP2."""
         dims = self.parallel_dims
+        if self._fused_kernels:  # on the plain model: the patched forwards then work on DTensor weights
+            from meshkit.kernels import apply_fused_kernels
+
+            apply_fused_kernels(module)
         if dims.pp_enabled:  # split into stages first, then TP / AC / FSDP per stage
             return self._pipeline.parallelize(self, module)
         if dims.tp_enabled:
