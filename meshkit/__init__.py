@@ -18,6 +18,7 @@ from meshkit.plugins import (
     register_presets,
     shard_batch,
 )
+from meshkit.plugins.pipeline import SCHEDULES, build_pipeline, pipeline_eval, pipeline_step, read_timeline
 from meshkit.plugins.planner import ModelSpec, plan, plan_for_world
 from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
 
@@ -30,6 +31,11 @@ __all__ = [
     "apply_context_parallel",
     "context_parallel_attention",
     "shard_batch",
+    "SCHEDULES",
+    "build_pipeline",
+    "pipeline_step",
+    "pipeline_eval",
+    "read_timeline",
     "ModelSpec",
     "plan",
     "plan_for_world",
