@@ -33,7 +33,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -118,8 +118,8 @@ def _timeline_bubbles(logdir: str) -> dict[int, dict[str, float]]:
             for r, m in measured_bubble(records).per_rank.items()}
 
 
-def analyze(logdir: str, *, min_lateness_ms: float = 0.0) -> dict[str, Any]:
-    """Analyse every rank's torch.profiler traces under ``logdir``.
+def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dict[str, Any]:
+    """Analyse every rank's torch.profiler traces under ``logdir`` (a directory, or a list of files).
 
     Returns ``{"ranks": {"<rank>": {"steps", "compute_ms", "comm_ms", "overlapped_comm_ms",
     "exposed_comm_ms", "idle_ms", "overlap_pct", "memory_ms", "wall_ms", "shape",
@@ -131,7 +131,7 @@ def analyze(logdir: str, *, min_lateness_ms: float = 0.0) -> dict[str, Any]:
     ranks, problems, missing = load_rank_traces(logdir)
     out_ranks: dict[str, Any] = {}
     try:
-        timeline = _timeline_bubbles(logdir)
+        timeline = _timeline_bubbles(logdir) if isinstance(logdir, str) and os.path.isdir(logdir) else {}
     except ValueError as exc:
         timeline, problems = {}, problems + [f"pipeline timeline: {exc}"]
     for r, rt in ranks.items():

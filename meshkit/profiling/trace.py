@@ -28,7 +28,7 @@ import re
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -257,6 +257,7 @@ def _stream_events(reader: io.TextIOBase, meta: dict) -> Iterator[Any]:
         pass
     pos = j + 1
     sep = "\n  },"
+    batching = True
     while True:
         # skip whitespace and commas
         while True:
@@ -269,17 +270,16 @@ def _stream_events(reader: io.TextIOBase, meta: dict) -> Iterator[Any]:
         if buf[pos] == "]":
             pos += 1
             break
-        cut = buf.rfind(sep, pos)
+        cut = buf.rfind(sep, pos) if batching else -1
         if cut > pos:
             try:
-                batch = json.loads("[" + buf[pos:cut + 3] + "]")
+                batch = json.loads("[" + buf[pos:cut + 4] + "]")
             except ValueError:
-                batch = None
+                batch, batching = None, False  # not Kineto's layout: one event at a time from here
             if batch is not None:
+                meta["_batches"] = meta.get("_batches", 0) + 1
                 yield from batch
-                pos = cut + 4
-                buf = buf[pos:]
-                pos = 0
+                buf, pos = buf[cut + 5:], 0
                 if len(buf) < CHUNK_CHARS:
                     more()
                 continue
@@ -429,12 +429,12 @@ def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.nd
     return np.array(ids, dtype=np.int64), np.array(windows, dtype=np.float64).reshape(-1, 2)
 
 
-def load_rank_traces(logdir: str) -> tuple[dict[int, RankTrace], list[str], list[int]]:
+def load_rank_traces(logdir: str | Sequence[str]) -> tuple[dict[int, RankTrace], list[str], list[int]]:
     """Load every rank's traces under ``logdir``: ({rank: RankTrace}, directory-level problems, missing ranks).
 
     Raises :class:`TraceLoadError` (a ``ValueError``) when nothing at all can be analysed.
     """
-    files = find_trace_files(logdir)
+    files = list(logdir) if isinstance(logdir, (list, tuple)) else find_trace_files(logdir)
     if not files:
         raise TraceLoadError(
             f"analyze: no trace files (*trace*.json or *trace*.json.gz) under `logdir={logdir!r}`. "
