@@ -41,7 +41,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from meshkit.profiling.flops import model_flops_per_token, normalize_dtype, peak_info
+from meshkit.profiling.flops import flop_counter, model_flops_per_token, normalize_dtype, peak_info
 from meshkit.profiling.report import BREAKDOWN_PARTS, SCALAR_PREFIX, points_lost, write_layout, write_window
 
 __all__ = ["MFUMonitor", "StepMetrics", "mesh_factors", "batch_tokens", "split_step"]
@@ -331,9 +331,7 @@ class MFUMonitor(Callback):
                 and self._prof is None and b != self.flop_count_batch:
             self._start_window()
         if self.measure_flops and b == self.flop_count_batch and self._prof is None:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counting = FlopCounterMode(display=False)
+            self._counting = flop_counter()
             self._counting.__enter__()
         if self._model_per_token is None and (b > self.flop_count_batch or not self.measure_flops):
             self._resolve_flops(trainer, pl_module, batch)
