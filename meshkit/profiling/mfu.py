@@ -131,7 +131,7 @@ def split_step(step_ms: float, data_ms: float, fwd_bwd_ms: float, optimizer_ms: 
     ms = {"compute": rest * (1 - recompute_share), "recompute": rest * recompute_share,
           "exposed_comm": lost[0], "bubble": lost[1], "data_wait": max(data_ms, 0.0),
           "optimizer": max(optimizer_ms, 0.0)}
-    ms["other"] = max(step_ms - sum(ms.values()), 0.0) + lost[2]
+    ms["other"] = max(step_ms - sum(ms.values()), 0.0)  # the window's idle (lost[2]) + any timer gap
     total = sum(ms.values())
     return {k: v / total for k, v in ms.items()} if total > 0 else parts
 
@@ -328,7 +328,7 @@ class MFUMonitor(Callback):
         self._clock.mark("start")
         b = self._batches
         if self.profile_every and b >= self.profile_start and (b - self.profile_start) % self.profile_every == 0 \
-                and self._prof is None and b != self.flop_count_batch:
+                and self._prof is None and b != self.flop_count_batch and self._window_fits(trainer):
             self._start_window()
         if self.measure_flops and b == self.flop_count_batch and self._prof is None:
             self._counting = flop_counter()
@@ -421,6 +421,12 @@ class MFUMonitor(Callback):
             self._fwd_model_per_token = 3 * fwd / self.measured_flops["tokens"]
 
     # ------------------------------------------------------------------ profiler window
+
+    def _window_fits(self, trainer: Any) -> bool:
+        # a window needs 1 warm-up + profile_steps batches; never start one the run cannot finish
+        max_steps = getattr(trainer, "max_steps", -1)
+        return not (isinstance(max_steps, int) and max_steps > 0
+                    and max_steps - trainer.global_step < 1 + self.profile_steps)
 
     def _start_window(self) -> None:
         from torch.profiler import ProfilerActivity, profile, schedule
@@ -557,9 +563,12 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._prof is not None:
+        if self._prof is not None:  # an unfinished window (e.g. max_epochs ended it): drop its trace
             self._prof.stop()
             self._prof = None
+            path = self._trace_path(self._prof_first)
+            if os.path.exists(path):
+                os.remove(path)
         if self._counting is not None:
             self._counting.__exit__(None, None, None)
             self._counting = None
