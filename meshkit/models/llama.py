@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "Transformer", "LlamaLM", "synthetic_tokens"]
+__all__ = ["LlamaConfig", "Transformer", "LlamaLM", "TokenDataModule", "synthetic_tokens"]
 
 
 @dataclass
@@ -182,11 +182,17 @@ class LlamaLM(L.LightningModule):
     It has no ``configure_model``: meshkit's automatic path parallelizes it.
     """
 
-    def __init__(self, config: LlamaConfig | None = None, lr: float = 3e-3, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, config: LlamaConfig | None = None, lr: float = 3e-3, weight_decay: float = 0.0, optimizer: str = "adamw"
+    ) -> None:
         super().__init__()
+        if optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"LlamaLM: `optimizer={optimizer!r}` must be 'adamw' or 'sgd'.")
         self.config = config or LlamaConfig.tiny()
-        self.save_hyperparameters({"config": asdict(self.config), "lr": lr, "weight_decay": weight_decay})
-        self.lr, self.weight_decay = lr, weight_decay
+        self.save_hyperparameters(
+            {"config": asdict(self.config), "lr": lr, "weight_decay": weight_decay, "optimizer": optimizer}
+        )
+        self.lr, self.weight_decay, self.optimizer_name = lr, weight_decay, optimizer
         self.model = Transformer(self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -216,6 +222,8 @@ class LlamaLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
 
@@ -227,3 +235,22 @@ def synthetic_tokens(num_sequences: int, seq_len: int, vocab_size: int, seed: in
     seq = (start + step * torch.arange(seq_len + 1)) % vocab_size
     noise = torch.rand(seq.shape, generator=g) < 0.05
     return torch.where(noise, torch.randint(0, vocab_size, seq.shape, generator=g), seq)
+
+
+class TokenDataModule(L.LightningDataModule):
+    """Batches of :func:`synthetic_tokens`: (B, seq_len + 1) token tensors for :class:`LlamaLM`."""
+
+    def __init__(
+        self, num_sequences: int = 512, seq_len: int = 64, vocab_size: int = 256, batch_size: int = 4, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.num_sequences, self.seq_len, self.vocab_size = num_sequences, seq_len, vocab_size
+        self.batch_size, self.seed = batch_size, seed
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = synthetic_tokens(self.num_sequences, self.seq_len, self.vocab_size, self.seed)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        data = synthetic_tokens(max(8, self.num_sequences // 8), self.seq_len, self.vocab_size, self.seed + 1)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)

@@ -1,0 +1,154 @@
+"""FSDP2 (``fully_shard``) per block, mixed precision, activation checkpointing and per-block compile.
+
+Order (torchtitan's): TP plan -> activation checkpointing -> per-block compile -> ``fully_shard``
+per block, then the root. Each step keeps module and parameter names unchanged, so checkpoints
+load across layouts and settings.
+
+Example::
+
+    >>> from meshkit.models import LlamaConfig, Transformer
+    >>> from meshkit.plugins.fsdp import find_blocks
+    >>> [n for n, _ in find_blocks(Transformer(LlamaConfig.tiny()))]
+    ['layers.0', 'layers.1', 'layers.2', 'layers.3']
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = [
+    "find_blocks", "apply_ac", "apply_compile", "apply_fsdp", "mixed_precision_policy", "clip_grad_norm_", "ACMode"
+]
+
+ACMode = Literal["none", "full", "selective"]
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: children of the largest ModuleList/ModuleDict whose entries share one class."""
+    best: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            children = list(module.named_children())
+            if len(children) >= 2 and len({type(c) for _, c in children}) == 1 and len(children) > len(best):
+                best = [(f"{name}.{n}" if name else n, c) for n, c in children]
+    return best
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
+    """FSDP2 policy for a Lightning precision string; raises for unsupported ones."""
+    if precision not in SUPPORTED_PRECISION:
+        raise ValueError(
+            f"NDParallelStrategy: `precision={precision!r}` is not supported; use one of {SUPPORTED_PRECISION} "
+            "(fp16 needs a gradient scaler that FSDP2 sharded gradients do not have; use bf16)."
+        )
+    if precision == "bf16-mixed":
+        # Compute in bf16, reduce gradients in fp32, keep fp32 master weights.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return None
+
+
+def _selective_policy() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    save = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        # Keep matmul and attention outputs; recompute the cheap elementwise / norm ops.
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _checkpointed_forward(original: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    extra: dict[str, Any] = {}
+    if mode == "selective":
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+    return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def apply_ac(blocks: list[tuple[str, nn.Module]], mode: ACMode) -> None:
+    """Activation checkpointing of each block (in place, names unchanged): ``full`` or ``selective`` (op-level)."""
+    if mode not in ("none", "full", "selective"):
+        raise ValueError(
+            f"NDParallelStrategy: `activation_checkpointing={mode!r}` must be 'none', 'full' or 'selective'."
+        )
+    if mode == "none":
+        return
+    for _, block in blocks:
+        block.forward = functools.partial(_checkpointed_forward, block.forward, mode)  # type: ignore[method-assign]
+
+
+def apply_compile(blocks: list[tuple[str, nn.Module]]) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile`` keeps parameter names)."""
+    for _, block in blocks:
+        block.compile()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+) -> None:
+    """``fully_shard`` each block, then each direct child of ``model`` holding parameters (the roots)."""
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for _, block in blocks:
+        fully_shard(block, **kwargs)
+    if any(True for _ in model.parameters(recurse=False)):
+        raise ValueError(
+            f"NDParallelStrategy: `{type(model).__name__}` holds parameters directly "
+            f"({[n for n, _ in model.named_parameters(recurse=False)]}); the automatic path shards submodules. "
+            "Move them into a submodule, or write `configure_model` and call `fully_shard` yourself."
+        )
+    for _, child in model.named_children():
+        if not isinstance(child, FSDPModule) and any(p.requires_grad for p in child.parameters()):
+            # The root's last all-gather need not be resharded: backward starts with it.
+            fully_shard(child, **{**kwargs, "reshard_after_forward": False})
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm over every mesh axis; returns the total norm (before clipping).
+
+    Works when gradients live on different meshes (TP-sharded weights on (dp, tp), norms on (dp,)),
+    where ``torch.nn.utils.clip_grad_norm_`` cannot stack their norms: each mesh group's norm is
+    reduced to a full tensor once, then the groups are combined.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for mesh, group in groups.items():
+        n = torch.nn.utils.get_total_norm(group, norm_type=norm_type)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), ord=norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # Scale the local shards in place (foreach ops on DTensors with a plain scalar tensor do not, torch 2.13).
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+    return total

@@ -1,0 +1,200 @@
+"""ParallelDims, preset resolution, the TP plan and every config error, in one process."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import meshkit
+from meshkit.models import LlamaConfig, Transformer
+from meshkit.plugins.dims import ParallelDims
+from meshkit.plugins.fsdp import find_blocks, mixed_precision_policy
+from meshkit.plugins.strategy import PRESETS, resolve_dims
+from meshkit.plugins.tensor_parallel import infer_tp_plan, model_shape
+
+AUTO = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
+
+
+def test_dp_shard_fills_the_world():
+    dims = ParallelDims(dp_replicate=2, tp=2, world_size=16)
+    assert dims.degrees == {"dp_replicate": 2, "dp_shard": 4, "pp": 1, "cp": 1, "tp": 2}
+    assert dims.dp_size == 8 and dims.fsdp_enabled and dims.tp_enabled and not dims.pp_enabled
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(ValueError, match=r"`dp_replicate=2`, `dp_shard=2`, `pp=1`, `cp=1`, `tp=4` multiplied \(16\) "
+                                         r"should equal the world size \(8\)"):
+        ParallelDims(dp_replicate=2, dp_shard=2, tp=4, world_size=8)
+
+
+def test_fill_impossible():
+    with pytest.raises(ValueError, match=r"multiply to 3, which does not divide the world size \(8\)"):
+        ParallelDims(tp=3, world_size=8)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_degrees_must_be_positive_ints(bad):
+    with pytest.raises(ValueError, match="tp="):
+        ParallelDims(tp=bad, world_size=8)
+
+
+def test_tp_must_divide_heads_kv_heads_and_hidden():
+    dims = ParallelDims(tp=4, world_size=4)
+    with pytest.raises(ValueError, match=r"`tp=4` must divide the model's `num_kv_heads=2`.*Use tp in \[1, 2\]"):
+        dims.check_model_shape(heads=4, kv_heads=2, hidden=64)
+    dims.check_model_shape(heads=8, kv_heads=4, hidden=64)  # fine
+
+
+def test_global_batch_must_divide_by_dp():
+    dims = ParallelDims(dp_replicate=2, dp_shard=3, world_size=6)
+    with pytest.raises(ValueError, match=r"`global_batch_size=10` is not divisible by the data-parallel size .*6"):
+        dims.check_batch(10)
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match=r"unknown `preset='hsdp_tpp'`; choose one of \['fsdp2', 'hsdp', 'hsdp_tp', 'tp'\]"):
+        meshkit.NDParallelStrategy("hsdp_tpp")
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "64-true", "transformer-engine"])
+def test_unsupported_precision(precision):
+    with pytest.raises(ValueError, match=rf"`precision='{precision}'` is not supported"):
+        mixed_precision_policy(precision)
+
+
+def test_unsupported_precision_raised_by_the_trainer_before_any_process_group():
+    import lightning as L
+
+    trainer = L.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=1, precision="64-true", max_steps=1,
+                        logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="`precision='64-true'` is not supported"):
+        trainer.fit(meshkit.models.LlamaLM())
+    assert not torch.distributed.is_initialized()
+
+
+def test_bad_activation_checkpointing():
+    with pytest.raises(ValueError, match="`activation_checkpointing='some'` must be 'none', 'full' or 'selective'"):
+        meshkit.NDParallelStrategy(activation_checkpointing="some")
+
+
+@pytest.mark.parametrize(
+    "preset, world, nodes, want",
+    [
+        ("fsdp2", 8, 1, dict(dp_replicate=1, dp_shard=8, tp=1)),
+        ("hsdp", 8, 2, dict(dp_replicate=2, dp_shard=4, tp=1)),
+        ("tp", 8, 1, dict(dp_replicate=1, dp_shard=4, tp=2)),  # kv heads = 2 caps tp
+        ("hsdp_tp", 4, 1, dict(dp_replicate=1, dp_shard=2, tp=2)),
+        ("hsdp_tp", 16, 2, dict(dp_replicate=2, dp_shard=4, tp=2)),
+    ],
+)
+def test_auto_sizes(preset, world, nodes, want):
+    dims = resolve_dims(PRESETS[preset], AUTO, world_size=world, num_nodes=nodes, model=Transformer(LlamaConfig.tiny()))
+    assert {k: dims.degrees[k] for k in want} == want
+
+
+def test_auto_tp_respects_a_big_model_node():
+    cfg = LlamaConfig(dim=1024, n_heads=16, n_kv_heads=8, n_layers=1, vocab_size=32)
+    dims = resolve_dims(PRESETS["hsdp_tp"], AUTO, world_size=64, num_nodes=8, model=Transformer(cfg))
+    assert dims.degrees == {"dp_replicate": 8, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 4}
+
+
+def test_explicit_sizes_win_and_tp_fills():
+    dims = resolve_dims(PRESETS["hsdp_tp"], {**AUTO, "dp_replicate": 2, "dp_shard": 2}, world_size=8, num_nodes=1)
+    assert dims.degrees["tp"] == 2
+
+
+def test_explicit_tp_not_dividing_heads_is_an_error():
+    with pytest.raises(ValueError, match=r"`tp=4` must divide the model's `num_kv_heads=2`"):
+        resolve_dims(PRESETS["tp"], {**AUTO, "tp": 4}, world_size=4, num_nodes=1, model=Transformer(LlamaConfig.tiny()))
+
+
+def test_tp_across_nodes_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_dims(PRESETS["tp"], {**AUTO, "tp": 4}, world_size=8, num_nodes=4)
+    assert any("larger than the 2 devices of a node" in str(w.message) for w in caught)
+
+
+def test_uneven_nodes_is_an_error():
+    with pytest.raises(ValueError, match="world size 6 is not divisible by `num_nodes=4`"):
+        resolve_dims(PRESETS["hsdp"], AUTO, world_size=6, num_nodes=4)
+
+
+# ---- TP plan ----------------------------------------------------------------------------------
+
+def test_plan_for_torchtitan_names():
+    plan = infer_tp_plan(Transformer(LlamaConfig.tiny()))
+    kinds = {name: type(style).__name__ for name, style in plan.items()}
+    assert kinds["tok_embeddings"] == "RowwiseParallel"
+    assert kinds["output"] == "ColwiseParallel"
+    for proj in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        assert kinds[f"layers.3.{proj}"] == "ColwiseParallel"
+    for proj in ("attention.wo", "feed_forward.w2"):
+        assert kinds[f"layers.3.{proj}"] == "RowwiseParallel"
+    assert len(plan) == 2 + 4 * 7
+
+
+def test_plan_for_hf_llama_with_biases():
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, attention_bias=True))
+    kinds = {name: type(style).__name__ for name, style in infer_tp_plan(model).items()}
+    assert kinds["model.layers.0.self_attn.q_proj"] == "ColwiseParallel"
+    assert kinds["model.layers.0.self_attn.o_proj"] == "RowwiseParallel"
+    assert kinds["model.layers.0.mlp.down_proj"] == "RowwiseParallel"
+    assert kinds["model.embed_tokens"] == "RowwiseParallel" and kinds["lm_head"] == "ColwiseParallel"
+    assert model_shape(model) == (4, 2, 32)
+
+
+class _Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.router = nn.Linear(8, 4)
+        self.w1 = nn.Linear(8, 16)
+
+
+def test_unplaceable_linears_are_listed_with_the_fix():
+    with pytest.raises(ValueError, match=r"cannot place these Linear modules: qkv \(8->24\), router \(8->4\)\. "
+                                         r"Pass `tp_plan=`.*\"qkv\": \"colwise\""):
+        infer_tp_plan(_Odd())
+
+
+def test_user_plan_places_them():
+    plan = infer_tp_plan(_Odd(), user_plan={"qkv": "colwise", "rout*": "replicate"})
+    assert set(plan) == {"qkv", "w1"}
+
+
+def test_user_plan_rejects_unknown_style():
+    with pytest.raises(ValueError, match=r"`qkv='diagonal'` is not a ParallelStyle"):
+        infer_tp_plan(_Odd(), user_plan={"qkv": "diagonal"})
+
+
+def test_sequence_parallel_is_refused_for_hf_models():
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="`sequence_parallel=True` is not supported for transformers models"):
+        infer_tp_plan(model, sequence_parallel=True)
+
+
+def test_blocks_found_in_hf_and_torchtitan_models():
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    hf = LlamaForCausalLM(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2))
+    assert [n for n, _ in find_blocks(hf)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    assert len(find_blocks(Transformer(LlamaConfig.tiny()))) == 4
+
+
+def test_presets_registered_with_lightning():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("fsdp2", "hsdp", "tp", "hsdp_tp"):
+        assert StrategyRegistry[name]["strategy"] is meshkit.NDParallelStrategy
+        assert StrategyRegistry[name]["init_params"] == {"preset": name}
