@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from meshkit.profiling.trace import Intervals, RankTrace, TraceLoadError, intersection_measure, load_rank_traces
+from meshkit.profiling.trace import Intervals, RankTrace, intersection_measure, load_rank_traces
 
 __all__ = ["rank_step_metrics", "find_stragglers", "analyze", "format_table", "configure_parser", "run_cli"]
 
