@@ -51,6 +51,7 @@ __all__ = [
     "model_flops_per_token",
     "StepFlops",
     "measure_step_flops",
+    "flop_counter",
 ]
 
 T = 1e12  # TFLOP/s
@@ -482,51 +483,83 @@ class StepFlops:
         return max(self.hardware - self.model, 0.0)
 
 
-def _to_meta(x: Any) -> Any:
+def _fake_clone(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
+    # deepcopy with every parameter and buffer pre-mapped to a fake twin (same device, no storage):
+    # no real memory is copied, kernels are chosen as for the real device (e.g. CPU flash attention),
+    # and activation recompute in backward runs on the same fake weights.
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = mode.from_tensor(b)
+    return copy.deepcopy(model, memo)
+
+
+def _fake_mode() -> Any:
+    # torch has no public fake-tensor entry point; FakeTensorMode is the one torch.compile and
+    # torch.distributed's tools use (checked on torch 2.6-2.13).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def _to_fake(x: Any, mode: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return torch.empty_like(x, device="meta") if x.device.type != "meta" else x
+        return mode.from_tensor(x)
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
+        return type(x)(_to_fake(v, mode) for v in x)
     if isinstance(x, Mapping):
-        return {k: _to_meta(v) for k, v in x.items()}
+        return {k: _to_fake(v, mode) for k, v in x.items()}
     return x
 
 
-def _meta_clone(model: torch.nn.Module) -> torch.nn.Module:
-    # deepcopy with every parameter and buffer pre-mapped to a meta twin: no real memory is copied,
-    # and activation recompute in backward runs on the same meta weights.
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+def flop_counter() -> Any:
+    """A ``FlopCounterMode`` that also counts CPU flash attention.
+
+    torch's registry (checked on 2.6–2.13) has no formula for
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, so SDPA on CPU tensors
+    would count 0 FLOPs; we map them to torch's own ``sdpa_flop_count`` /
+    ``sdpa_backward_flop_count`` (same formula as the CUDA flash kernels).
+    """
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    extra: dict[Any, Callable[..., int]] = {}
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in fc.flop_registry:
+        extra[fwd] = lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
+    if bwd is not None and bwd not in fc.flop_registry:
+        extra[bwd] = lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
+    return fc.FlopCounterMode(display=False, custom_mapping=extra)
 
 
 def measure_step_flops(model: torch.nn.Module, *inputs: Any,
                        loss_fn: Callable[[Any], torch.Tensor] | None = None) -> StepFlops:
-    """Count one forward + backward of ``model(*inputs)`` on meta tensors (no memory, no compute).
+    """Count one forward + backward of ``model(*inputs)`` on fake tensors (no memory, no compute).
 
-    The model is cloned with meta parameters and buffers (no real memory is copied), so the
-    real model is untouched. Activation checkpointing inside ``model`` re-runs its
+    The model is cloned with fake parameters and buffers on the real device (no memory is
+    copied), so kernels are chosen as in a real step and the real model is untouched. Flash
+    attention's backward recomputes the attention scores (torch counts 2.5× its forward), which
+    shows up as recompute, as it does on the hardware. Activation checkpointing inside ``model`` re-runs its
     forward during backward and is counted in ``backward`` (hence in :attr:`StepFlops.hardware`).
     ``loss_fn`` maps the output to a scalar (default: ``output.float().sum()``).
 
     >>> from meshkit.models import LlamaConfig, Transformer
     >>> f = measure_step_flops(Transformer(LlamaConfig.tiny()), torch.zeros(2, 16, dtype=torch.long))
-    >>> f.recompute
-    0.0
+    >>> f.backward >= 2 * f.forward
+    True
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    meta_model = _meta_clone(model)
-    meta_inputs = _to_meta(inputs)
-    counter = FlopCounterMode(display=False)
-    with counter:
-        out = meta_model(*meta_inputs)
-    forward = counter.get_total_flops()
-    loss = loss_fn(out) if loss_fn is not None else (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
-    counter = FlopCounterMode(display=False)
-    with counter:
-        loss.backward()
+    mode = _fake_mode()
+    fake_model = _fake_clone(model, mode)
+    fake_inputs = _to_fake(inputs, mode)
+    with mode:
+        counter = flop_counter()
+        with counter:
+            out = fake_model(*fake_inputs)
+        forward = counter.get_total_flops()
+        loss = loss_fn(out) if loss_fn is not None else (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
+        counter = flop_counter()
+        with counter:
+            loss.backward()
     return StepFlops(float(forward), float(counter.get_total_flops()))

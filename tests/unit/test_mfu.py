@@ -1,0 +1,96 @@
+"""MFUMonitor's pure parts: mesh factors, token counting, the step split, MFU points lost, report layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from meshkit.profiling import report as R
+from meshkit.profiling.mfu import MFUMonitor, _Window, batch_tokens, mesh_factors, split_step
+
+
+class _Dims:
+    def __init__(self, **degrees):
+        self.degrees = {"dp_replicate": 1, "dp_shard": 1, "pp": 1, "cp": 1, "tp": 1, **degrees}
+
+
+class _Strategy:
+    def __init__(self, dims=None):
+        if dims is not None:
+            self.parallel_dims = dims
+
+
+def test_mesh_factors_count_tokens_once_per_dp_replica():
+    # 8 ranks: 2 replicas x 2 shards x tp 2 -> 4 dp replicas; tp ranks share a replica's tokens
+    assert mesh_factors(_Strategy(_Dims(dp_replicate=2, dp_shard=2, tp=2)), 8) == (4, 8)
+    assert mesh_factors(_Strategy(_Dims(dp_shard=2, pp=2, cp=2)), 8) == (2, 8)
+    assert mesh_factors(_Strategy(), 4) == (4, 4)  # plain DDP fallback
+    with pytest.raises(ValueError, match=r"multiply to 4, not the world size \(8\)"):
+        mesh_factors(_Strategy(_Dims(dp_shard=2, tp=2)), 8)
+
+
+def test_batch_tokens():
+    assert batch_tokens(torch.zeros(2, 17)) == 34
+    assert batch_tokens({"input_ids": torch.zeros(2, 16), "labels": torch.zeros(2, 16)}) == 32
+    assert batch_tokens((torch.zeros(3, 5), torch.zeros(3))) == 15
+    with pytest.raises(ValueError, match=r"tokens_fn="):
+        batch_tokens("text")
+
+
+def test_split_step_by_hand():
+    # no window yet: fwd+bwd is all compute
+    f = split_step(100, data_ms=10, fwd_bwd_ms=70, optimizer_ms=20, window=None, recompute_share=0.0)
+    assert f == pytest.approx({"compute": 0.7, "recompute": 0, "exposed_comm": 0, "bubble": 0, "data_wait": 0.1,
+                               "optimizer": 0.2, "other": 0})
+    # window measured at fwd+bwd 35 ms: exposed 5, bubble 2.5, idle 1 -> scaled x2 to this step's 70 ms:
+    # 10, 5, 2; the remaining 53 ms of compute: 20 % recompute (10.6) and 42.4 compute.
+    w = _Window(step=3, fwd_bwd_ms=35, exposed_ms=5, bubble_ms=2.5, other_ms=1)
+    f = split_step(100, 10, 70, 20, w, recompute_share=0.2)
+    assert f == pytest.approx({"compute": 0.424, "recompute": 0.106, "exposed_comm": 0.1, "bubble": 0.05,
+                               "data_wait": 0.1, "optimizer": 0.2, "other": 0.02})
+    assert sum(f.values()) == pytest.approx(1.0)
+    # a window whose losses exceed fwd+bwd is scaled down to fit; nothing goes negative
+    f = split_step(20, 5, 10, 5, _Window(0, 10, 8, 4, 0), 0.0)
+    assert f["compute"] == 0 and f["exposed_comm"] == pytest.approx(10 / 12 * 8 / 20)
+    assert min(f.values()) >= 0 and sum(f.values()) == pytest.approx(1.0)
+
+
+def test_points_lost_add_up_to_achieved_mfu():
+    fr = {"compute": 0.5, "recompute": 0.1, "exposed_comm": 0.2, "bubble": 0.0, "data_wait": 0.05,
+          "optimizer": 0.1, "other": 0.05}
+    lost = R.points_lost(fr, mfu=0.2)
+    assert lost["ideal"] == pytest.approx(40.0)  # 0.2 / 0.5
+    assert lost["exposed_comm"] == pytest.approx(8.0)  # 40 x 0.2
+    assert lost["ideal"] - sum(v for k, v in lost.items() if k != "ideal") == pytest.approx(20.0)
+
+
+def test_report_layer(tmp_path):
+    fr = dict.fromkeys(R.BREAKDOWN_PARTS, 0.0) | {"compute": 0.8, "other": 0.2}
+    table = R.markdown_table(fr, mfu=0.4, step_time_s=0.5)
+    assert "| exposed_comm | 0.00 % | 0.00 | 0.000 |" in table and "**40.00 %**" in table
+    assert "| other | 20.00 % | 10.00 | 100.000 |" in table  # ideal 50 % x 0.2 ; 0.5 s x 0.2
+    img = R.figure_to_array(R.waterfall_figure(fr, 0.4))
+    assert img.ndim == 3 and img.shape[2] == 3 and img.dtype == np.uint8
+    layout = R.breakdown_layout()
+    assert list(layout) == ["MFU breakdown"]
+
+    class Writer:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *a, **k: self.calls.append(name)
+
+    w = Writer()
+    R.write_window(w, 7, fr, 0.4, 0.5, overlap={"ranks": {}, "stragglers": []})
+    assert w.calls[:2] == ["add_text", "add_image"]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(profile_steps=0), r"profile_steps=0"), (dict(profile_every=-1), r"profile_every=-1"),
+    (dict(log_every=0), r"log_every=0"), (dict(peak_flops=-5), r"peak_flops=-5"),
+])
+def test_monitor_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MFUMonitor(**kwargs)
