@@ -43,12 +43,17 @@ __all__ = [
     "kernel_occupancy",
     "sweep_occupancy",
     "TritonKernelReport",
+    "MFUMonitor",
     "kernels",
     "__version__",
 ]
 
 
 def __getattr__(name: str):  # Lightning callbacks load lazily: `import meshkit` stays light
+    if name == "MFUMonitor":
+        from meshkit.profiling.mfu import MFUMonitor
+
+        return MFUMonitor
     if name == "TritonKernelReport":
         from meshkit.profiling.occupancy_tb import TritonKernelReport
 

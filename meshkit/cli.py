@@ -21,6 +21,14 @@ VERBS: dict[str, tuple[str, str]] = {
         "meshkit.plugins.planner",
         "rank every dp/pp/cp/tp layout of a model on a cluster: memory, comm, bubble, predicted MFU",
     ),
+    "analyze": (
+        "meshkit.profiling.overlap",
+        "comm/compute overlap, exposed comm, idle and stragglers per rank from torch.profiler traces",
+    ),
+    "bubble": (
+        "meshkit.profiling.bubble",
+        "pipeline bubble: theory, schedule simulator, measured bubble from a run's pp_timeline",
+    ),
     "occupancy": (
         "meshkit.profiling.occupancy",
         "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",

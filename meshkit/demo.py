@@ -64,7 +64,11 @@ def run_demo(
 
 
 def _profiling_callbacks() -> list[Any]:
-    return []
+    """MFU, HFU and the MFU breakdown every step; a torch.profiler window every 10 steps from step 5."""
+    from meshkit.profiling.mfu import MFUMonitor
+
+    # LlamaLM batches are (B, T+1) tokens: inputs and shifted labels, so B·T tokens are trained on.
+    return [MFUMonitor(profile_every=10, profile_start=5, tokens_fn=lambda batch: batch[:, :-1].numel())]
 
 
 def run_cli(args: argparse.Namespace) -> int:
