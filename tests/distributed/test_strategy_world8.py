@@ -67,3 +67,29 @@ def test_hsdp_tp_cp_2x2x2_matches_one_process(pool):
     want_losses, want_params = T.reference("meshkit", STEPS, 2, world=8)
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     T.assert_params_close(results[0]["params"], want_params)
+
+
+PP_CASES = [
+    # (id, strategy kwargs, expected degrees) on 2 simulated nodes × 4 processes
+    ("tp_pp", dict(preset="tp_pp", dp_shard=2, pp=2, tp=2), dict(dp_replicate=1, dp_shard=2, pp=2, tp=2)),
+    ("hsdp_tp_pp", dict(preset="hsdp_tp_pp"), dict(dp_replicate=2, dp_shard=1, pp=2, tp=2)),
+]
+
+
+def _fit_pp(rank: int, world: int, strategy: dict) -> dict:
+    import meshkit
+
+    return T.fit(rank, world, meshkit.NDParallelStrategy(**strategy), devices=4, num_nodes=2, steps=STEPS)
+
+
+@pytest.mark.parametrize("case", PP_CASES, ids=[c[0] for c in PP_CASES])
+def test_pipeline_compositions_match_one_process(pool, case):
+    _, strategy, degrees = case
+    results = pool.run(_fit_pp, strategy)
+    assert {k: results[0]["degrees"][k] for k in degrees} == degrees
+    want_losses, want_params = T.reference("meshkit", STEPS, results[0]["dp_size"], world=8)
+    torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    merged: dict[str, torch.Tensor] = {}
+    for r in results:  # each pipeline stage holds its own blocks, under the full model's names
+        merged.update(r["params"])
+    T.assert_params_close(merged, want_params)
