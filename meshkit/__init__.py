@@ -8,7 +8,6 @@
     trainer = L.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=4)
 """
 
-from meshkit import kernels
 from meshkit.plugins import (
     PRESETS,
     NDParallelStrategy,
@@ -49,7 +48,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):  # Lightning callbacks load lazily: `import meshkit` stays light
+def __getattr__(name: str):  # callbacks and Triton kernels load lazily: `import meshkit` stays light
+    if name == "kernels":  # importing triton costs seconds on every rank; only fused-kernel users pay it
+        import importlib
+
+        return importlib.import_module("meshkit.kernels")
     if name == "MFUMonitor":
         from meshkit.profiling.mfu import MFUMonitor
 

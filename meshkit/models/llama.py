@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -209,9 +210,8 @@ class LlamaLM(L.LightningModule):
             inputs, labels = batch["input_ids"], batch["labels"]
         else:
             inputs, labels = batch[:, :-1], batch[:, 1:]
-        from meshkit.kernels import uses_fused_loss
-
-        if uses_fused_loss(self.model):
+        kernels = sys.modules.get("meshkit.kernels")  # only a patched model can use it, and patching imported it
+        if kernels is not None and kernels.uses_fused_loss(self.model):
             # meshkit.kernels patched the root: the fused loss never materializes the (tokens × vocab) logits.
             return self.model(inputs, labels=labels)
         logits = self(inputs)
