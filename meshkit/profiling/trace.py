@@ -1,9 +1,10 @@
 """Kineto (torch.profiler) trace loading, event classification and interval algebra.
 
 A trace file (``*.pt.trace.json`` or ``.json.gz``, as ``tensorboard_trace_handler`` writes) is
-read in a streaming pass: the ``traceEvents`` array is decoded a few megabytes at a time and
-each event is reduced, on the spot, to the few numbers the analysis needs (compact float
-arrays), so memory stays bounded by the chunk size plus ~16 bytes per kept event.
+read in a streaming pass: the ``traceEvents`` array is decoded a few megabytes at a time by
+msgspec into typed records holding only the fields the analysis reads, and each event is
+reduced, on the spot, to a few numbers (compact float arrays), so memory stays bounded by the
+chunk size plus ~16 bytes per kept event.
 
 Two trace shapes are recognized:
 
@@ -22,19 +23,22 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
+import operator
 import os
 import re
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, Union
 
+import msgspec
 import numpy as np
 
 __all__ = ["Intervals", "RankTrace", "TraceLoadError", "find_trace_files", "load_trace", "load_rank_traces"]
 
-CHUNK_CHARS = 1 << 22  # 4 Mi characters per read
+CHUNK_BYTES = 1 << 22  # 4 MiB per read
 _NCCL_COLL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
 
 
@@ -143,6 +147,44 @@ class RankTrace:
         return bool(self.problems)
 
 
+class _Args(msgspec.Struct, gc=False):
+    correlation: Union[int, float, None] = None
+
+
+class _Event(msgspec.Struct, gc=False):
+    """The fields of a Kineto event the analysis reads; msgspec skips every other field unparsed."""
+
+    ph: str = ""
+    cat: str = ""
+    name: str = ""
+    ts: Union[float, None] = None
+    dur: Union[float, None] = None
+    tid: Union[int, str, None] = None
+    args: Union[_Args, None] = None
+
+
+_SKIP = _Event()
+_NOT_PLAIN_OP = ("gloo:", "nccl:", "PP:", "c10d::", "record_param_comms")
+_CAT = operator.attrgetter("cat")
+_DECODE_BATCH = msgspec.json.Decoder(list[_Event]).decode
+
+
+def _coerce(ev: Any) -> _Event:
+    """An event decoded as plain JSON (a file that does not match the typed schema), read loosely."""
+    if not isinstance(ev, dict):
+        return _SKIP
+    try:
+        ts, dur = (None if ev.get(k) is None else float(ev[k]) for k in ("ts", "dur"))
+    except (TypeError, ValueError):
+        return _SKIP
+    args, corr = ev.get("args"), None
+    if isinstance(args, dict) and isinstance(args.get("correlation"), (int, float)):
+        corr = _Args(args["correlation"])
+    tid = ev.get("tid")
+    return _Event(str(ev.get("ph", "")), str(ev.get("cat", "")), str(ev.get("name", "")), ts, dur,
+                  tid if isinstance(tid, (int, str)) else None, corr)
+
+
 class _Sink:
     """Per-file accumulator: classify each event as it streams past."""
 
@@ -160,107 +202,167 @@ class _Sink:
         self.steps: list[tuple[int, float, float, Any]] = []
         self.events = 0
 
-    def add(self, ev: Any) -> None:
-        self.events += 1
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
-            return
-        try:
-            ts = float(ev["ts"])
-            end = ts + float(ev.get("dur", 0.0))
-        except (KeyError, TypeError, ValueError):
-            return
-        cat = ev.get("cat", "")
-        name = ev.get("name", "")
-        if cat == "kernel":
-            args = ev.get("args") or {}
-            corr = float(args.get("correlation", -1))
-            if "nccl" in name.lower():
-                self.comm_k_s.append(ts), self.comm_k_e.append(end), self.comm_k_corr.append(corr)
-                m = _NCCL_COLL.search(name)
-                self.comm_k_names.append(m.group(1) if m else name)
-            else:
-                self.kern_s.append(ts), self.kern_e.append(end), self.kern_corr.append(corr)
-        elif cat in ("gpu_memcpy", "gpu_memset"):
-            self.mem_s.append(ts), self.mem_e.append(end)
-        elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
-            args = ev.get("args") or {}
-            if "correlation" in args:
-                self.rt_ts.append(ts), self.rt_corr.append(float(args["correlation"]))
-        elif cat in ("user_annotation", "cpu_op", "python_function"):
-            if name.startswith("ProfilerStep#") and cat == "user_annotation":
-                try:
-                    self.steps.append((int(name[13:]), ts, end, ev.get("tid")))
-                except ValueError:
-                    pass
-            elif name.startswith(("gloo:", "nccl:")):
+    def add(self, batch: list[_Event]) -> None:
+        """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
+        self.events += len(batch)
+        complete = sorted((ev for ev in batch if ev.ph == "X" and ev.ts is not None), key=_CAT)
+        for cat, group in itertools.groupby(complete, key=_CAT):
+            evs = list(group)
+            if cat in ("cpu_op", "user_annotation", "python_function"):
+                self._host(cat, evs)
+            elif cat == "kernel":
+                self._kernels(evs)
+            elif cat in ("gpu_memcpy", "gpu_memset"):
+                self.mem_s.extend([ev.ts for ev in evs])
+                self.mem_e.extend([ev.ts + (ev.dur or 0.0) for ev in evs])
+            elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
+                evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
+                self.rt_ts.extend([ev.ts for ev in evs])
+                self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
+
+    def _host(self, cat: str, evs: list[_Event]) -> None:
+        if cat == "cpu_op":  # aten ops are most of a CPU trace: plain ones in bulk
+            plain = [ev for ev in evs if isinstance(ev.tid, int) and not ev.name.startswith(_NOT_PLAIN_OP)]
+            self.cpu_s.extend([ev.ts for ev in plain])
+            self.cpu_e.extend([ev.ts + (ev.dur or 0.0) for ev in plain])
+            self.cpu_tid.extend([float(ev.tid) for ev in plain])  # type: ignore[arg-type]
+            if len(plain) == len(evs):
+                return
+            kept = {id(ev) for ev in plain}
+            evs = [ev for ev in evs if id(ev) not in kept]
+        for ev in evs:
+            ts, name = ev.ts, ev.name
+            end = ts + (ev.dur or 0.0)  # type: ignore[operator]
+            if name.startswith(("gloo:", "nccl:")):
                 self.ccomm_s.append(ts), self.ccomm_e.append(end), self.ccomm_names.append(name)
             elif name.startswith("PP:"):
                 self.pp_s.append(ts), self.pp_e.append(end)
-            elif cat == "cpu_op" and not name.startswith("c10d::") and name != "record_param_comms":
-                tid = ev.get("tid")
-                self.cpu_s.append(ts), self.cpu_e.append(end)
-                self.cpu_tid.append(float(tid) if isinstance(tid, (int, float)) else -1.0)
+            elif cat == "cpu_op":
+                if not name.startswith("c10d::") and name != "record_param_comms":
+                    self.cpu_s.append(ts), self.cpu_e.append(end)
+                    self.cpu_tid.append(float(ev.tid) if isinstance(ev.tid, int) else -1.0)
+            elif cat == "user_annotation" and name.startswith("ProfilerStep#"):
+                try:
+                    self.steps.append((int(name[13:]), ts, end, ev.tid))
+                except ValueError:
+                    pass
+
+    def _kernels(self, evs: list[_Event]) -> None:
+        nccl = [ev for ev in evs if "nccl" in ev.name.lower()]
+        for ev_list, s, e, c in ((nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr),
+                                 ([ev for ev in evs if "nccl" not in ev.name.lower()] if nccl else evs,
+                                  self.kern_s, self.kern_e, self.kern_corr)):
+            s.extend([ev.ts for ev in ev_list])
+            e.extend([ev.ts + (ev.dur or 0.0) for ev in ev_list])
+            c.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
+                      for ev in ev_list])
+        for ev in nccl:
+            m = _NCCL_COLL.search(ev.name)
+            self.comm_k_names.append(m.group(1) if m else ev.name)
 
 
 # ---------------------------------------------------------------------------- streaming parse
 
 
-def _open_text(path: str) -> io.TextIOBase:
+def _open_binary(path: str) -> io.BufferedIOBase:
     with open(path, "rb") as f:
         magic = f.read(2)
     if path.endswith(".gz") or magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", errors="replace")
-    return open(path, encoding="utf-8", errors="replace")
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")
 
 
 class _Truncated(Exception):
     pass
 
 
-def _stream_events(reader: io.TextIOBase, meta: dict) -> Iterator[Any]:
-    """Yield the elements of the top-level ``traceEvents`` array, reading CHUNK_CHARS at a time.
+class _Prefixed(io.RawIOBase):
+    """A binary stream that yields ``head`` and then the rest of ``reader``."""
 
-    Batches of whole events (cut after Kineto's "\\n  }," separator, which cannot occur inside a
-    JSON string) are decoded by one ``json.loads``; anything else falls back to one
-    ``raw_decode`` per event. Top-level keys before and after the array are parsed into ``meta``.
+    def __init__(self, head: bytes, reader: io.BufferedIOBase) -> None:
+        self._head, self._reader = head, reader
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self._head[:len(b)] if self._head else self._reader.read(len(b))
+        self._head = self._head[len(data):] if self._head else b""
+        b[:len(data)] = data
+        return len(data)
+
+
+_SEP = b"\n  },"  # Kineto closes every event with this; it cannot occur inside a JSON string
+
+
+def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Event]]:
+    """Yield the elements of the top-level ``traceEvents`` array in batches, reading CHUNK_BYTES at a time.
+
+    Kineto's layout is cut into batches of whole events after its ``"\\n  },"`` separator, and each
+    batch is decoded by msgspec straight into :class:`_Event` (unread fields are skipped, not
+    built). A batch whose values do not fit the schema is decoded as plain JSON and read loosely;
+    any other layout falls back to one stdlib ``raw_decode`` per event. Top-level keys before and
+    after the array are parsed into ``meta``.
     """
-    decoder = json.JSONDecoder()
-    buf = ""
-    eof = False
+    buf, eof = b"", False
 
     def more() -> bool:
         nonlocal buf, eof
-        if eof:
-            return False
-        chunk = reader.read(CHUNK_CHARS)
-        if not chunk:
-            eof = True
-            return False
+        chunk = b"" if eof else reader.read(CHUNK_BYTES)
+        eof = eof or not chunk
         buf += chunk
-        return True
+        return bool(chunk)
 
-    # header: everything up to '"traceEvents"' and its '['
-    while True:
-        i = buf.find('"traceEvents"')
-        if i >= 0:
-            j = buf.find("[", i)
-            if j >= 0:
-                break
+    while True:  # header: everything up to '"traceEvents"' and its '['
+        i = buf.find(b'"traceEvents"')
+        j = buf.find(b"[", i) if i >= 0 else -1
+        if j >= 0:
+            break
         if not more():
-            if not buf.strip():
-                raise _Truncated("the file is empty")
-            raise _Truncated("no `traceEvents` array (not a torch.profiler trace?)")
-    head = buf[:i].rstrip().rstrip(",")
+            raise _Truncated("the file is empty" if not buf.strip() else
+                             "no `traceEvents` array (not a torch.profiler trace?)")
+    head = buf[:i].rstrip().rstrip(b",")
     try:
-        meta.update(json.loads(head + "}") if head.strip() != "{" else {})
+        meta.update(json.loads(head + b"}") if head.strip() != b"{" else {})
     except ValueError:
         pass
-    pos = j + 1
-    sep = "\n  },"
-    batching = True
+    buf = buf[j + 1:]
     while True:
-        # skip whitespace and commas
-        while True:
+        cut = buf.rfind(_SEP)
+        while cut < 0 and len(buf) < 4 * CHUNK_BYTES and more():
+            cut = buf.rfind(_SEP)
+        if cut < 0:
+            break  # the last event, or not Kineto's layout: the slow path reads the rest
+        body = buf[:cut + 4].lstrip(b" \t\r\n,")
+        try:
+            batch = _DECODE_BATCH(b"[" + body + b"]")
+        except msgspec.ValidationError:
+            batch = [_coerce(ev) for ev in msgspec.json.decode(b"[" + body + b"]")]
+        except msgspec.DecodeError:
+            break  # not Kineto's layout after all
+        meta["_batches"] = meta.get("_batches", 0) + 1
+        yield batch
+        buf = buf[cut + 5:]
+        if len(buf) < CHUNK_BYTES:
+            more()
+    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(buf, reader)), encoding="utf-8", errors="replace")
+    yield from _stream_slow(text, meta)
+
+
+def _stream_slow(reader: io.TextIOBase, meta: dict) -> Iterator[list[_Event]]:
+    """The rest of the ``traceEvents`` array (after its ``[``), one ``raw_decode`` per event, then the tail."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+
+    def more() -> bool:
+        nonlocal buf, eof
+        chunk = "" if eof else reader.read(CHUNK_BYTES)
+        eof = eof or not chunk
+        buf += chunk
+        return bool(chunk)
+
+    while True:
+        while True:  # skip whitespace and commas
             while pos < len(buf) and buf[pos] in " \t\r\n,":
                 pos += 1
             if pos < len(buf) or not more():
@@ -270,31 +372,17 @@ def _stream_events(reader: io.TextIOBase, meta: dict) -> Iterator[Any]:
         if buf[pos] == "]":
             pos += 1
             break
-        cut = buf.rfind(sep, pos) if batching else -1
-        if cut > pos:
-            try:
-                batch = json.loads("[" + buf[pos:cut + 4] + "]")
-            except ValueError:
-                batch, batching = None, False  # not Kineto's layout: one event at a time from here
-            if batch is not None:
-                meta["_batches"] = meta.get("_batches", 0) + 1
-                yield from batch
-                buf, pos = buf[cut + 5:], 0
-                if len(buf) < CHUNK_CHARS:
-                    more()
-                continue
         try:
             ev, end = decoder.raw_decode(buf, pos)
         except ValueError:
             if more():
                 continue
             raise _Truncated("the `traceEvents` array ends early (truncated file)")
-        yield ev
+        yield [_coerce(ev)]
         pos = end
-        if pos > CHUNK_CHARS:
+        if pos > CHUNK_BYTES:
             buf, pos = buf[pos:], 0
-    # tail: remaining top-level keys (e.g. "traceName")
-    while more():
+    while more():  # tail: remaining top-level keys (e.g. "traceName")
         pass
     tail = buf[pos:].strip().lstrip(",").strip()
     if tail and tail != "}":
@@ -312,9 +400,9 @@ def load_trace(path: str) -> tuple[_Sink, dict, list[str]]:
     """
     sink, meta, problems = _Sink(), {}, []
     try:
-        with _open_text(path) as reader:
-            for ev in _stream_events(reader, meta):
-                sink.add(ev)
+        with _open_binary(path) as reader:
+            for batch in _stream_events(reader, meta):
+                sink.add(batch)
     except _Truncated as exc:
         problems.append(f"{os.path.basename(path)}: {exc}; kept {sink.events} events read before it")
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
@@ -401,7 +489,8 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
 
 
 def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Device-side step windows: first to last device event whose launch lies in the step span."""
+    """Device-side step windows: from the first device event whose launch lies in the step span to
+    the last one's end, or to the next window's start if that comes first."""
     dev_s = np.concatenate([cat("kern_s"), cat("comm_k_s")])
     dev_e = np.concatenate([cat("kern_e"), cat("comm_k_e")])
     dev_corr = np.concatenate([cat("kern_corr"), cat("comm_k_corr")])
@@ -426,7 +515,11 @@ def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.nd
         if sel.any():
             ids.append(st[0])
             windows.append([dev_s[sel].min(), dev_e[sel].max()])
-    return np.array(ids, dtype=np.int64), np.array(windows, dtype=np.float64).reshape(-1, 2)
+    win = np.array(windows, dtype=np.float64).reshape(-1, 2)
+    # A step's last kernels may still run when the next step's first ones start: end each window
+    # where the next begins, so the windows partition device time and nothing is counted twice.
+    win[:-1, 1] = np.minimum(win[:-1, 1], np.maximum(win[1:, 0], win[:-1, 0]))
+    return np.array(ids, dtype=np.int64), win
 
 
 def load_rank_traces(logdir: str | Sequence[str]) -> tuple[dict[int, RankTrace], list[str], list[int]]:

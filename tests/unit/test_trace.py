@@ -136,6 +136,27 @@ def test_cuda_nccl_shape_by_hand(tmp_path):
     assert (s["collective"], s["rank"], s["lateness_ms"]) == ("AllReduce", 1, pytest.approx(0.003))
 
 
+def test_cuda_steps_that_overlap_on_the_device_are_not_counted_twice(tmp_path):
+    """Step 1's last (NCCL) kernel is still running when step 2's first kernel starts."""
+    rt = lambda corr, ts: X("cudaLaunchKernel", "cuda_runtime", ts, 1, 1, correlation=corr)  # noqa: E731
+
+    def K(name, ts, dur, stream, corr):
+        return dict(X(name, "kernel", ts, dur, stream, correlation=corr, stream=stream), pid=0)
+
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 50, 1), X("ProfilerStep#2", "user_annotation", 50, 50, 1),
+          rt(1, 1), rt(2, 2), rt(3, 51),
+          K("gemm", 10, 30, 7, 1), K("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 40, 40, 20, 2),
+          K("gemm", 60, 30, 7, 3)]
+    write_trace(tmp_path / "rank0.pt.trace.json", 0, 1, ev)
+    r = analyze(str(tmp_path))["ranks"]["0"]
+    # device windows [10, 60) and [60, 90) (the first ends where the second begins, not at 80):
+    # comm [40,80) = 40 counted once: 20 + 20; overlapped with [60,90) compute: 20 (in step 2).
+    assert [s["wall_ms"] for s in r["per_step"]] == [pytest.approx(0.050), pytest.approx(0.030)]
+    assert [s["comm_ms"] for s in r["per_step"]] == [pytest.approx(0.020), pytest.approx(0.020)]
+    assert r["comm_ms"] == pytest.approx(0.040) and r["overlapped_comm_ms"] == pytest.approx(0.020)
+    assert r["overlap_pct"] == pytest.approx(50.0)
+
+
 def test_pipeline_spans_give_bubble(tmp_path):
     ev = [X("ProfilerStep#0", "user_annotation", 0, 100, 1),
           X("PP:forward", "user_annotation", 10, 30, 1), X("PP:backward", "user_annotation", 60, 30, 1),
@@ -144,19 +165,36 @@ def test_pipeline_spans_give_bubble(tmp_path):
     assert analyze(str(tmp_path))["ranks"]["0"]["bubble_ms"] == pytest.approx(0.040)  # 100 − 60
 
 
+def _fields(ev):
+    """What the typed reader keeps of a JSON event."""
+    corr = (ev.get("args") or {}).get("correlation")
+    return (ev.get("ph", ""), ev.get("cat", ""), ev.get("name", ""), ev.get("ts"), ev.get("dur"), ev.get("tid"), corr)
+
+
 def test_streaming_parser_equals_json_load(tmp_path, monkeypatch):
-    events = cpu_rank(0) * 50
+    events = cpu_rank(0) * 50 + [X("k", "kernel", 5, 1, 7, correlation=42)]
     for style in (True, False):
         path = tmp_path / f"s{style}.trace.json"
         write_trace(path, 0, 1, events, kineto_style=style)
-        monkeypatch.setattr(T, "CHUNK_CHARS", 97)  # force many refills, mid-event cuts
+        monkeypatch.setattr(T, "CHUNK_BYTES", 97)  # force many refills, mid-event cuts
         meta = {}
-        with T._open_text(str(path)) as f:
-            got = list(T._stream_events(f, meta))
-        assert got == json.load(open(path))["traceEvents"]
+        with T._open_binary(str(path)) as f:
+            got = [e for batch in T._stream_events(f, meta) for e in batch]
+        want = json.load(open(path))["traceEvents"]
+        assert [(e.ph, e.cat, e.name, e.ts, e.dur, e.tid, e.args.correlation if e.args else None) for e in got] == \
+            [_fields(e) for e in want]
         assert (meta.get("_batches", 0) > 0) == style  # Kineto's layout takes the batched fast path
         assert meta["distributedInfo"]["rank"] == 0
         assert style is False or meta["traceName"] == "x"
+
+
+def test_values_off_the_schema_are_read_loosely(tmp_path):
+    """A batch whose values do not fit the typed schema (ts as a string, tid a float) is still read."""
+    ev = [X("ProfilerStep#0", "user_annotation", 0, 100, 1), X("aten::mm", "cpu_op", 0, 60, 1),
+          dict(X("gloo:all_reduce", "user_annotation", 40, 40, 2.0), ts=str(BASE + 40))]
+    write_trace(tmp_path / "rank0.pt.trace.json", 0, 1, ev)
+    r = analyze(str(tmp_path))["ranks"]["0"]
+    assert (r["overlap_pct"], r["exposed_comm_ms"], r["idle_ms"]) == (50.0, 0.02, 0.02)
 
 
 def test_interval_algebra_matches_brute_force():
