@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ __all__ = [
     "find_timeline_dir",
     "MeasuredBubble",
     "measured_bubble",
+    "hop_latency_ns",
     "simulate_from_timeline",
     "gantt_figure",
     "configure_parser",
@@ -208,13 +210,15 @@ def _deps(a: Action, n_virtual: int, split: bool) -> list[tuple[str, int, int]]:
 def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = None, microbatches: int | None = None,
              virtual: int = 1, tf: float | Sequence[float] = 1.0, tb: float | Sequence[float] = 2.0,
              tw: float | Sequence[float] | None = None,
-             durations: Mapping[tuple[str, int], float] | None = None) -> SimResult:
+             durations: Mapping[tuple[str, int], float] | None = None, comm: float = 0.0) -> SimResult:
     """Run a pipeline schedule on an idealised machine (no communication time) and time it.
 
     ``schedule`` is a name (with ``stages``, ``microbatches``, ``virtual``) or explicit per-rank
     action orders (:func:`schedule_orders` shape). Times per action are ``tf``/``tb``/``tw``
     (one value, or one per virtual stage) divided by ``virtual`` for named interleaved
-    schedules, or ``durations[(kind, stage)]`` (e.g. measured means) when given. For
+    schedules, or ``durations[(kind, stage)]`` (e.g. measured means) when given. ``comm`` is the
+    time from an action's end until a stage on another rank can use its output (one P2P hop;
+    0 models free communication). For
     ``zero-bubble`` the ``W`` actions are deferred (rank r keeps at most r pending) and run
     whenever the stage would otherwise wait, and at the end: ZB-H1. Raises ``ValueError`` on a deadlocking order.
 
@@ -234,6 +238,9 @@ def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = No
         orders = [list(o) for o in schedule]
         name, split, scale = "custom", any(a.kind in ("I", "W") for o in orders for a in o), 1.0
     n_virtual = max(a.stage for o in orders for a in o) + 1
+    if comm < 0:
+        raise ValueError(f"simulate: `comm={comm}` must be >= 0.")
+    owner = {a.stage: r for r, o in enumerate(orders) for a in o}
 
     def per(x: Any, stage: int) -> float:
         return float(x[stage] if isinstance(x, (list, tuple)) else x)
@@ -269,7 +276,7 @@ def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = No
                 deps = _deps(a, n_virtual, split)
                 if any(d not in done for d in deps):
                     break
-                ready = max([done[d] for d in deps], default=0.0)
+                ready = max([done[d] + (comm if owner[d[2]] != r else 0.0) for d in deps], default=0.0)
                 while deferred and pending_w[r] and free[r] < ready:  # fill the wait with a W
                     w = pending_w[r].pop(0)
                     timeline[r].append((w, free[r], free[r] + dur(w)))
@@ -470,11 +477,37 @@ def measured_bubble(records: Sequence[TimelineRecord], skip_steps: int = 0) -> M
     return MeasuredBubble(sum(per_step.values()) / len(per_step), per_step, dict(per_rank), sum(spans) / len(spans))
 
 
+def hop_latency_ns(records: Sequence[TimelineRecord], skip_steps: int = 0) -> float:
+    """Median time from an action's end to the start of the action on the next rank that was
+    waiting for it (its previous action had ended before): the measured cost of one P2P hop,
+    including the host work between actions. 0.0 when no action ever waited on another rank.
+    """
+    steps = _group(records)
+    gaps = []
+    for st in sorted(steps)[skip_steps:]:
+        by_key = {(r.action, r.microbatch, r.stage): r for recs in steps[st].values() for r in recs}
+        prev_end = {}
+        for recs in steps[st].values():
+            ordered = sorted(recs, key=lambda x: x.start_ns)
+            for before, rec in zip(ordered, ordered[1:]):
+                prev_end[(rec.action, rec.microbatch, rec.stage)] = before.end_ns
+        n_virtual = max(r.stage for r in by_key.values()) + 1
+        split = any(r.action in ("I", "W") for r in by_key.values())
+        for key, rec in by_key.items():
+            for dep in _deps(Action(*key), n_virtual, split):
+                src = by_key.get(dep)
+                if src is None or src.rank == rec.rank or prev_end.get(key, 0) > src.end_ns:
+                    continue
+                gaps.append(rec.start_ns - src.end_ns)
+    return float(statistics.median(gaps)) if gaps else 0.0
+
+
 def simulate_from_timeline(records: Sequence[TimelineRecord], step: int | None = None,
-                           skip_steps: int = 0) -> SimResult:
+                           skip_steps: int = 0, comm: float | str = 0.0) -> SimResult:
     """Replay one recorded step's per-rank action order in the simulator with the measured mean
     duration of each (action, stage) over the steps analysed: what the schedule would take with
-    these compute times and zero communication. Compare with :func:`measured_bubble`.
+    these compute times. ``comm`` is the P2P hop time in ns (default 0: free communication), or
+    ``"measured"`` for :func:`hop_latency_ns` of the record. Compare with :func:`measured_bubble`.
     """
     steps = _group(records)
     chosen = sorted(steps)[skip_steps:]
@@ -483,6 +516,10 @@ def simulate_from_timeline(records: Sequence[TimelineRecord], step: int | None =
     step = chosen[-1] if step is None else step
     if step not in steps:
         raise ValueError(f"simulate_from_timeline: `step={step}` is not in the record (steps {sorted(steps)}).")
+    if comm == "measured":
+        comm = hop_latency_ns(records, skip_steps)
+    elif isinstance(comm, str):
+        raise ValueError(f"simulate_from_timeline: `comm={comm!r}` must be a time in ns or 'measured'.")
     sums: dict[tuple[str, int], list[float]] = defaultdict(list)
     for st in chosen:
         for recs in steps[st].values():
@@ -492,7 +529,7 @@ def simulate_from_timeline(records: Sequence[TimelineRecord], step: int | None =
     ranks = sorted(steps[step])
     orders = [[Action(r.action, r.microbatch, r.stage) for r in sorted(steps[step][rank], key=lambda x: x.start_ns)]
               for rank in ranks]
-    return simulate(orders, durations=durations)
+    return simulate(orders, durations=durations, comm=float(comm))
 
 
 # ------------------------------------------------------------------------------------- figure
@@ -565,9 +602,13 @@ def run_cli(args: argparse.Namespace) -> int:
             skip = min(args.skip_steps, max(len({r.step for r in records}) - 1, 0))
             meas = measured_bubble(records, skip_steps=skip)
             sim = simulate_from_timeline(records, skip_steps=skip)
+            hop = hop_latency_ns(records, skip)
+            sim_comm = simulate_from_timeline(records, skip_steps=skip, comm=hop)
             out = {**sim.to_dict(), "measured_bubble_fraction": meas.bubble_fraction,
                    "measured_step_time_ms": meas.step_time_ns / 1e6,
                    "simulated_bubble_fraction": sim.bubble_fraction,
+                   "hop_latency_ms": hop / 1e6,
+                   "simulated_with_hops_bubble_fraction": sim_comm.bubble_fraction,
                    "per_step_bubble_fraction": {str(k): v for k, v in meas.per_step.items()}}
             out["total_time"] /= 1e6
             out["ideal_time"] /= 1e6

@@ -106,6 +106,31 @@ def test_measured_bubble_by_hand_and_replay():
     assert B.simulate_from_timeline(recs).bubble_fraction == pytest.approx(9 / 33)
 
 
+def test_hop_latency_by_hand():
+    # p=2, m=1, F=1, B=1, every P2P hop 0.5: r0 F0[0,1]; r1 F0[1.5,2.5] B0[2.5,3.5]; r0 B0[4,5].
+    # total 5, each rank busy 2: idle (3 + 3) / (2 · 5) = 0.6.
+    sim = simulate("1f1b", 2, 1, tf=1, tb=1, comm=0.5)
+    assert sim.total_time == 5.0 and sim.bubble_fraction == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="comm=-1"):
+        simulate("1f1b", 2, 1, comm=-1)
+    # That run as a record (ns): two waits on the other rank, each 0.5 -> median 0.5; rank 1's B0
+    # follows its own F0 (same rank) and is not a hop. Replaying with the measured hop gives 0.6,
+    # with free communication (the default) 1 - 4/(2·4) = 0.5.
+    recs = [TimelineRecord(0, 0, 0, 0, "F", 0, 10), TimelineRecord(0, 1, 1, 0, "F", 15, 25),
+            TimelineRecord(0, 1, 1, 0, "B", 25, 35), TimelineRecord(0, 0, 0, 0, "B", 40, 50)]
+    assert B.hop_latency_ns(recs) == 5.0
+    assert B.simulate_from_timeline(recs, comm="measured").bubble_fraction == pytest.approx(0.6)
+    assert B.simulate_from_timeline(recs).bubble_fraction == pytest.approx(0.5)
+    # A consumer still busy with its own previous action when the input arrived did not wait: skipped.
+    # Rank 1's F0 waited for rank 0's F0 (ended 10) and began at 12: a 2 ns hop. Its F1 began at
+    # 32, 12 after rank 0's F1 ended, but rank 1 was busy with F0 until 30: not a hop, so 2.0.
+    busy = [TimelineRecord(0, 0, 0, 0, "F", 0, 10), TimelineRecord(0, 0, 0, 1, "F", 10, 20),
+            TimelineRecord(0, 1, 1, 0, "F", 12, 30), TimelineRecord(0, 1, 1, 1, "F", 32, 40)]
+    assert B.hop_latency_ns(busy) == 2.0
+    with pytest.raises(ValueError, match="comm='fast'"):
+        B.simulate_from_timeline(recs, comm="fast")
+
+
 def test_read_timeline(tmp_path):
     d = tmp_path / "pp_timeline"
     d.mkdir()
