@@ -53,6 +53,8 @@ __all__ = [
     "ring_allgather_bytes",
     "tp_bytes_per_layer",
     "pp_bytes_per_boundary",
+    "tp_comm_ratio",
+    "pp_comm_ratio",
     "cp_bytes_per_layer",
     "dp_bytes_per_step",
     "ring_time",
@@ -426,7 +428,9 @@ def tp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int, *, act_
     Megatron-LM (Shoeybi et al. 2019 §3, Fig. 4): two all-reduces of the s·b·h activation in forward
     (after attention and after the MLP) and two in backward; sequence parallelism (Korthikanti et al. 2022
     §4.2.2) swaps each for an all-gather + reduce-scatter, the same bytes. Full recomputation repeats
-    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t).
+    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t). Over a step of 12h²-parameter
+    blocks that is a comm/compute ratio of 2(t−1)·F/(9·h·W); :func:`tp_comm_ratio` publishes the forward
+    pass's (t−1)·F/(3·h·W), 1.5× that.
 
     >>> tp_bytes_per_layer(1024, 1, 4096, 8) / 2**20   # 4 · 2·7/8 · 8 MiB
     56.0
@@ -440,10 +444,52 @@ def pp_bytes_per_boundary(seq: int, micro_batch: int, hidden: int, tp: int = 1, 
     forward and the input gradient backward, s·b·h·act_bytes each, split over the t TP ranks
     (Narayanan et al. 2021 §4.1, scatter/gather optimization; sequence parallelism shards it the same way).
 
+    Over a whole step this is 4h/t bytes per token per boundary against 72h²·(L/p)/t FLOP per token on a
+    stage of 12h²-parameter layers, a ratio of p·F/(18·h·L·W); :func:`pp_comm_ratio` publishes the
+    forward pass's p·F/(12·h·L·W), 1.5× that.
+
     >>> pp_bytes_per_boundary(4096, 1, 8192, 8) / 2**20   # 2 · 64 MiB / 8
     16.0
     """
     return 2 * float(seq) * micro_batch * hidden * act_bytes / tp
+
+
+def tp_comm_ratio(tp: int, hidden: int, achieved_flops: float, bandwidth: float) -> float:
+    """TP communication time over compute time, (t−1)·F/(3·h·W) (the issue's convention; 0 without TP).
+
+    This is the forward pass of a block of 12h² parameters: per token each TP rank does 2·12h²/t = 24h²/t
+    FLOP and sends two all-reduces (or all-gather + reduce-scatter pairs) of its 2h-byte bf16 activation,
+    2 · 2(t−1)/t · 2h = 8h(t−1)/t bytes: (8h(t−1)/t)/W ÷ (24h²/t)/F = (t−1)·F/(3·h·W). Backward moves
+    the same 8h(t−1)/t bytes against twice the FLOPs (48h²/t), so over the whole step the ratio
+    :func:`tp_bytes_per_layer` implies is 16h(t−1)/t ÷ 72h²/t = 2(t−1)·F/(9·h·W), 2/3 of this one: that
+    1.5× is the only difference (same bf16 activations, same ring collectives). The same number is also
+    the whole step with full recomputation's two extra forward all-reduces (6 in all, 24h(t−1)/t bytes)
+    counted against the model's 72h²/t FLOP. The step-time model uses the byte counts, not this ratio.
+    ``achieved_flops`` is the rate the layout's matmuls run at (F × :func:`matmul_efficiency` in a plan);
+    ``bandwidth`` the TP group's link.
+
+    >>> round(tp_comm_ratio(8, 8192, 400e12, 450e9), 4)   # 7 · 400e12 / (3 · 8192 · 450e9)
+    0.2532
+    """
+    return (tp - 1) * achieved_flops / (3 * hidden * bandwidth)
+
+
+def pp_comm_ratio(pp: int, hidden: int, layers: int, achieved_flops: float, bandwidth: float,
+                  virtual_stages: int = 1) -> float:
+    """PP communication time over compute time, p·F/(12·h·L·W) (the issue's convention; 0 without PP).
+
+    The forward pass of a stage of L/p blocks of 12h² parameters: per token each rank sends its 2h/t-byte
+    share of the bf16 activation across the boundary and does 24h²·(L/p)/t FLOP:
+    (2h/t)/W ÷ (24h²L/(p·t))/F = p·F/(12·h·L·W). Backward sends the same bytes (the gradient) against
+    twice the FLOPs, so the whole-step ratio behind :func:`pp_bytes_per_boundary` is p·F/(18·h·L·W), 2/3
+    of this one (the same 1.5× as :func:`tp_comm_ratio`). With the interleaved schedule each rank holds
+    v chunks of L/(p·v) blocks and the activation crosses v boundaries per rank, so p becomes p·v
+    (Narayanan et al. 2021 §2.2.2: interleaving multiplies the communication by v).
+
+    >>> round(pp_comm_ratio(16, 16384, 126, 400e12, 50e9), 5)   # 16 · 400e12 / (12 · 16384 · 126 · 50e9)
+    0.00517
+    """
+    return pp * virtual_stages * achieved_flops / (12 * hidden * layers * bandwidth) if pp > 1 else 0.0
 
 
 def cp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, kv_heads: int, cp: int,
@@ -625,8 +671,10 @@ class Layout:
     """Usable memory per GPU: the device's less the margin."""
     bubble_fraction: float = 0.0
     tp_comm_ratio: float = 0.0
-    """TP communication time / compute time (TP collectives are not overlapped)."""
+    """(t−1)·F/(3·h·W): the forward pass's TP comm/compute ratio (:func:`tp_comm_ratio`; F the layout's matmul
+    rate, W the TP link). The step time uses the byte counts (whole step: 2/3 of this), not overlapped."""
     pp_comm_ratio: float = 0.0
+    """p·F/(12·h·L·W): the forward pass's PP comm/compute ratio (:func:`pp_comm_ratio`; p·v when interleaved)."""
     cp_comm_ratio: float = 0.0
     """Ring-attention traffic time / compute time (before overlap with the attention it feeds)."""
     dp_comm_ratio: float = 0.0
@@ -860,6 +908,9 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
                 + max(0.0, ring_time(2 * kv, 1, *cp_link) - 2 * step_fwd))
         cp_exposed = (c - 1) * hops * layers_stage * m
     pp_link = ctx.link(p * c * t)
+    # the issue's forward-pass ratios, at the rate this layout's matmuls run
+    rate = ctx.achieved * times.matmul_eff
+    tp_ratio = tp_comm_ratio(t, mdl.hidden, rate, tp_link[0])
     shard_link, rep_link = ctx.link(d * p * c * t), ctx.link(ctx.world)
     dp_bw = shard_link[0] if shard > 1 else rep_link[0]
     overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
@@ -888,6 +939,7 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
             # one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
             pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
                 if p > 1 else 0.0
+            pp_ratio = pp_comm_ratio(p, mdl.hidden, mdl.layers, rate, pp_link[0], v)
             for ac in ctx.checkpointing:
                 acts = per_layer[ac] * layers_stage * inflight + working[ac] + logits
                 memory = states + acts
@@ -899,8 +951,8 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
                 out.append(Layout(
                     r, d, p, c, t, z, sched, m, ac, v,
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
-                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble, tp_comm_ratio=tp_time[ac] / compute,
-                    pp_comm_ratio=pp_time / compute, cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute,
+                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble, tp_comm_ratio=tp_ratio,
+                    pp_comm_ratio=pp_ratio, cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute,
                     dp_overlap_ok=overlap_ok, tp_intra_node=tp_link is ctx.intra, matmul_efficiency=times.matmul_eff,
                     attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
                     predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
@@ -915,9 +967,9 @@ def _loss_phrase(lay: Layout, key: str) -> str:
         return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
     if key == "tp":
         where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
-        return f"TP comm {lay.tp_comm_ratio:.2f}× compute {where} (tp={lay.tp})"
+        return f"TP collectives {where} (tp={lay.tp}, forward comm/compute {lay.tp_comm_ratio:.2f})"
     if key == "pp":
-        return f"PP send/recv {lay.pp_comm_ratio:.2f}× compute"
+        return f"PP send/recv (forward comm/compute {lay.pp_comm_ratio:.3f})"
     if key == "cp":
         return f"CP ring traffic {lay.cp_comm_ratio:.2f}× compute, not hidden by attention"
     if key == "dp":
@@ -936,7 +988,9 @@ def _rank_key(lay: Layout) -> tuple:
     axes = (lay.dp_replicate > 1) + (lay.pp > 1) + (lay.cp > 1) + (lay.tp > 1)
     if not lay.feasible:
         return (True, lay.memory_gb, axes, lay.tp, lay.zero_stage)
-    traffic = lay.tp_comm_ratio + lay.pp_comm_ratio + lay.cp_comm_ratio + lay.dp_comm_ratio
+    # whole-step traffic / compute from the byte counts (the published TP/PP ratios are the forward pass's)
+    tp_pp = (lay.losses[1] + lay.losses[2]) / lay.compute_s if lay.compute_s > 0 else 0.0
+    traffic = tp_pp + lay.cp_comm_ratio + lay.dp_comm_ratio
     return (False, round(lay.step_time_s, 9), round(traffic, 2), axes, lay.tp, lay.zero_stage, lay.memory_gb)
 
 

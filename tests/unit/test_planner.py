@@ -128,6 +128,26 @@ def test_dp_bytes_per_zero_stage():
     assert pl.dp_bytes_per_step(psi, 1, 4, 2, 1) == pytest.approx((3e9, 0.5e9))
 
 
+def test_tp_and_pp_comm_ratios_follow_the_issue():
+    # (t−1)·F/(3·h·W): 7 · 400e12 / (3 · 16384 · 450e9) = 2.8e15 / 2.21184e16
+    assert pl.tp_comm_ratio(8, 16384, 400e12, 450e9) == pytest.approx(2.8e15 / 2.21184e16)
+    assert pl.tp_comm_ratio(1, 16384, 400e12, 450e9) == 0.0
+    # p·F/(12·h·L·W): 8 · 400e12 / (12 · 16384 · 126 · 50e9) = 3.2e15 / 1.23863e18
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9) == pytest.approx(3.2e15 / (12 * 16384 * 126 * 50e9))
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9) == pytest.approx(2.5835e-3, rel=1e-4)
+    assert pl.pp_comm_ratio(1, 16384, 126, 400e12, 50e9) == 0.0
+    # interleaved, v = 4 chunks per rank: the activation crosses p·v = 32 boundaries
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9, 4) == pytest.approx(32 * 400e12 / (12 * 16384 * 126 * 50e9))
+    # The byte counts behind the step time give 2/3 of each over a whole step. Per token of a 12h² block:
+    # TP forward 2 all-reduces · 2(t−1)/t · 2h B against 24h²/t FLOP; forward + backward 4 of them against 72h²/t.
+    h, t, F, W = 4096, 4, 1e15, 1e11
+    fwd = (2 * 2 * (t - 1) / t * 2 * h / W) / (24 * h * h / t / F)
+    step = (4 * 2 * (t - 1) / t * 2 * h / W) / (72 * h * h / t / F)
+    assert pl.tp_comm_ratio(t, h, F, W) == pytest.approx(fwd)
+    assert fwd == pytest.approx(1.5 * step)
+    assert pl.tp_bytes_per_layer(1, 1, h, t) == pytest.approx(4 * 2 * (t - 1) / t * 2 * h)  # one token
+
+
 def test_roofline_efficiency_by_hand():
     # 4096³ bf16 GEMM on an H100 SXM (ridge 989.4e12 / 3.35e12 = 295.3 FLOP/B): 1 / (1 + 295 · 3/4096)
     assert pl.roofline_efficiency(295, 4096, 4096, 4096) == pytest.approx(1 / (1 + 885 / 4096))
@@ -276,7 +296,8 @@ def test_one_layout_memory_and_time_by_hand():
     # TP: 4 all-reduces of S = 128·64·2 B, 2·1/2·S each, per layer (4) per micro-batch (4), on 10 GB/s
     tp_time = 4 * 128 * 64 * 2 * 4 * 4 / 10e9
     assert lay.losses_s["tp"] == pytest.approx(tp_time)
-    assert lay.tp_comm_ratio == pytest.approx(tp_time / compute)
+    # the published ratio is the issue's (t−1)·F/(3·h·W) = 1 · 0.5e12 / (3 · 64 · 10e9)
+    assert lay.tp_comm_ratio == pytest.approx(0.5e12 / (3 * 64 * 10e9))
     # ZeRO-3 traffic (m = 4): 4 RS + 8 AG of 1/2 · 2 B · params_gpu, hidden behind compute? check the ratio
     dp_time = 12 * 0.5 * 2 * params_gpu / 10e9
     assert lay.dp_comm_ratio == pytest.approx(dp_time / compute)
@@ -300,8 +321,9 @@ def test_one_layout_with_kernel_shapes_by_hand():
     compute = (matmul / eff_mm + attn / eff_at) * per_token
     assert lay.compute_s == pytest.approx(compute)
     assert lay.losses_s["kernels"] == pytest.approx(compute - (matmul + attn) * per_token)
+    # the TP ratio is at the rate the matmuls run: (t−1) · F·η / (3·h·W)
+    assert lay.tp_comm_ratio == pytest.approx(0.5e12 * eff_mm / (3 * 64 * 10e9))
     tp_time = 4 * 128 * 64 * 2 * 4 * 4 / 10e9  # the byte counts do not change
-    assert lay.tp_comm_ratio == pytest.approx(tp_time / compute)  # slower matmuls: a smaller ratio
     params_gpu = (4 * layer + 2 * 256 * 64) / 2
     dp_time = 12 * 0.5 * 2 * params_gpu / 10e9
     assert lay.step_time_s == pytest.approx(compute + tp_time + max(0.0, dp_time - compute))
@@ -311,17 +333,28 @@ def test_one_layout_with_kernel_shapes_by_hand():
 
 def test_tp_and_pp_ratios_match_their_closed_forms():
     # A GPT-shaped layer (ffn = 8h/3: 12h² parameters), short sequence, tiny vocab, no latency, no kernel-shape
-    # model: compute is 72h²/t FLOP per token per GPU, TP sends 4 · 2(t−1)/t · 2h bytes per token, so
-    # TP ratio = 16h(t−1)/t/W ÷ 72h²/(tF) = 2(t−1)F/(9hW). (The issue's (t−1)F/(3hW) is 1.5× this.)
-    # PP sends 2 · 2h/t bytes per token per boundary: ratio = 4h/(tW) ÷ 72h²(L/p)/(tF) = p·F/(18·h·L·W).
+    # model. Published (the issue's convention, the forward pass): TP (t−1)F/(3hW), PP p·F/(12hLW).
+    # The step time's byte counts over forward + backward: compute is 72h²/t FLOP per token per GPU, TP sends
+    # 4 · 2(t−1)/t · 2h bytes per token: 16h(t−1)/t/W ÷ 72h²/(tF) = 2(t−1)F/(9hW), 2/3 of the published one;
+    # PP sends 2 · 2h/t bytes per token per boundary: 4h/(tW) ÷ 72h²(L/p)/(tF) = p·F/(18·h·L·W), also 2/3.
     h, t, p_, layers, F, W = 3072, 4, 2, 8, 400e12, 50e9
     mdl = ModelSpec(layers=layers, hidden=h, heads=24, ffn=8 * h // 3, vocab=8)
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
                activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
-    assert lay.tp_comm_ratio == pytest.approx(2 * (t - 1) * F / (9 * h * W), rel=0.01)
-    assert lay.pp_comm_ratio == pytest.approx(p_ * F / (18 * h * layers * W), rel=0.01)
+    assert lay.tp_comm_ratio == pytest.approx(3 * 400e12 / (3 * 3072 * 50e9))  # = 2.604
+    assert lay.pp_comm_ratio == pytest.approx(2 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.0543
+    assert lay.losses_s["tp"] / lay.compute_s == pytest.approx(2 * (t - 1) * F / (9 * h * W), rel=0.01)
+    assert lay.losses_s["pp"] / lay.compute_s == pytest.approx(p_ * F / (18 * h * layers * W), rel=0.01)
+    # interleaved with v = 2: p·v = 4 chunk boundaries in both conventions
+    res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
+               achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
+               activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
+    lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
+    assert lay.virtual_stages == 2
+    assert lay.pp_comm_ratio == pytest.approx(4 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.1085
+    assert lay.losses_s["pp"] / lay.compute_s == pytest.approx(4 * F / (18 * h * layers * W), rel=0.01)
 
 
 def test_zero_stage_zero_means_ddp_only():
@@ -544,6 +577,9 @@ def test_cli_json_shape(capsys):
     assert [x["step_time_s"] for x in layouts] == sorted(x["step_time_s"] for x in layouts)
     assert data["inputs"]["achieved_tflops"] == pytest.approx(400)
     assert data["inputs"]["params"] == pytest.approx(70e9)
+    for lay in layouts:  # the issue's ratios, at the rate each layout's matmuls run; h = 8192, W = 450 GB/s in a node
+        assert lay["tp_comm_ratio"] == pytest.approx((lay["tp"] - 1) * 400e12 * lay["matmul_efficiency"]
+                                                     / (3 * 8192 * 450e9), rel=1e-4)
     rc, out = _cli(CLI_70B + ["--top", "1", "--json", "--roofline-ridge", "0"], capsys)
     assert rc == 0 and json.loads(out)["inputs"]["roofline_ridge"] == 0
     assert json.loads(out)["best"]["matmul_efficiency"] == 1.0
