@@ -1,7 +1,9 @@
 """Benchmark: how long the layout planner takes to enumerate, evaluate and rank every layout.
 
 Target (issue 8): all layouts of 64 GPUs ranked in < 1 s. Also timed: one 8-GPU node (the baseline the
-ratios are against) and Llama-3-405B on 16,384 GPUs (the largest search the tests run).
+ratios are against), the 64-GPU search with the kernel-shape model off (``roofline_ridge=0``: what the
+per-(cp, tp) efficiencies cost; they are computed once per pair, not per layout) and Llama-3-405B on
+16,384 GPUs (the largest search the tests run).
 
     python benchmarks/planner.py [--repeat 5]
 
@@ -24,6 +26,8 @@ LLAMA3_405B = ModelSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=532
 CASES = {
     "70B on 1x8 (baseline)": (LLAMA3_70B, dict(seq_len=4096, global_batch=256, nodes=1, gpus_per_node=8)),
     "70B on 8x8 = 64 GPUs": (LLAMA3_70B, dict(seq_len=4096, global_batch=256, nodes=8, gpus_per_node=8)),
+    "  same, kernel shapes off": (LLAMA3_70B, dict(seq_len=4096, global_batch=256, nodes=8, gpus_per_node=8,
+                                                   roofline_ridge=0)),
     "405B on 2048x8 = 16,384 GPUs": (LLAMA3_405B, dict(seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8)),
 }
 

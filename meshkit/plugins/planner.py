@@ -3,9 +3,11 @@
 The planner does the arithmetic a careful engineer does by hand and shows it: for every layout
 of the cluster it adds up the memory per GPU (model states per ZeRO stage, activations per
 pipeline schedule), the communication each parallel axis costs on the link it runs over, the
-pipeline bubble, and predicts a step time and MFU. Layouts that fit in memory (with a margin)
-are ranked by predicted step time; each carries a one-line reason and the plan says why the
-best one wins. Pure Python: no process group, no GPU.
+pipeline bubble, how fast the per-GPU kernels run at the shapes the layout leaves them (a soft
+roofline: smaller matmuls and attention chunks sustain less of the achieved FLOP/s), and predicts
+a step time and MFU. Layouts that fit in memory (with a margin) are ranked by predicted step time;
+each carries a one-line reason and the plan says why the best one wins. Pure Python: no process
+group, no GPU.
 
 Every formula is a small public function citing its source. Units: bytes, seconds, FLOP and
 FLOP/s, bytes/s per direction; in the output "GB" is GiB (2**30 bytes, as torch.cuda reports
@@ -51,11 +53,17 @@ __all__ = [
     "ring_allgather_bytes",
     "tp_bytes_per_layer",
     "pp_bytes_per_boundary",
+    "tp_comm_ratio",
+    "pp_comm_ratio",
     "cp_bytes_per_layer",
     "dp_bytes_per_step",
     "ring_time",
     "dp_overlap_tokens",
     "training_flops_per_token",
+    "roofline_efficiency",
+    "matmul_efficiency",
+    "attention_efficiency",
+    "DEFAULT_RIDGE",
     # results
     "Layout",
     "Plan",
@@ -226,6 +234,8 @@ class GpuSpec:
     name: str
     memory_gb: float
     """Device memory in GiB."""
+    hbm_bw_gbs: float
+    """Device-memory bandwidth (GB/s): with the dense peak it sets the roofline ridge of :func:`roofline_efficiency`."""
     intra_bw_gbs: float
     """Per-GPU, per-direction bandwidth to GPUs in the same node (GB/s)."""
     inter_bw_gbs: float
@@ -236,23 +246,24 @@ class GpuSpec:
     """Regexes on the upper-cased, space-separated device string (e.g. torch.cuda.get_device_name())."""
 
 
-# Memory: vendor datasheets. Links: NVLink per-direction (half the bidirectional figure NVIDIA quotes:
-# NVLink4 900 GB/s -> 450, NVLink3 600 -> 300, NVLink5 1.8 TB/s -> 900), PCIe Gen5 x16 ~ 64 GB/s,
+# Memory and its bandwidth: vendor datasheets (H100 SXM 3.35 TB/s, PCIe 2.0; H200 4.8; A100 40 GB 1.555,
+# 80 GB 2.039; B200 8; MI300X 5.3; L40S 0.864). Links: NVLink per-direction (half the bidirectional
+# figure NVIDIA quotes: NVLink4 900 GB/s -> 450, NVLink3 600 -> 300, NVLink5 1.8 TB/s -> 900), PCIe Gen5 x16 ~ 64 GB/s,
 # Infinity Fabric 7 x 64 GB/s on MI300X; inter-node one 400 Gb/s NIC per GPU (ConnectX-7) -> 50 GB/s,
 # 200 Gb/s HDR on A100 pods -> 25 GB/s. The CPU row is a nominal gloo rank (shared memory in a node,
-# 10 GbE between nodes); its memory is taken from the host when planning for a CPU world.
+# 10 GbE between nodes, a 20 GB/s share of DDR); its memory is taken from the host when planning for a CPU world.
 GPU_TABLE: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("h100-pcie", 80, 64, 50, "NVIDIA H100 PCIe", (r"\bH100\b.*\bPCIE\b",)),
-        GpuSpec("h100-sxm", 80, 450, 50, "NVIDIA H100 SXM", (r"\bH100\b", r"\bH800\b")),
-        GpuSpec("h200", 141, 450, 50, "NVIDIA H200", (r"\bH200\b",)),
-        GpuSpec("a100-40gb", 40, 300, 25, "NVIDIA A100-SXM4-40GB", (r"\bA100\b.*\b40GB\b",)),
-        GpuSpec("a100-80gb", 80, 300, 25, "NVIDIA A100-SXM4-80GB", (r"\bA100\b",)),
-        GpuSpec("b200", 180, 900, 50, "NVIDIA B200", (r"\bB200\b",)),
-        GpuSpec("mi300x", 192, 448, 50, "AMD Instinct MI300X", (r"\bMI300X\b",)),
-        GpuSpec("l40s", 48, 32, 25, "NVIDIA L40S", (r"\bL40S\b",)),
-        GpuSpec("cpu", 16, 10, 1.25, "cpu", (r"\bCPU\b",)),
+        GpuSpec("h100-pcie", 80, 2000, 64, 50, "NVIDIA H100 PCIe", (r"\bH100\b.*\bPCIE\b",)),
+        GpuSpec("h100-sxm", 80, 3350, 450, 50, "NVIDIA H100 SXM", (r"\bH100\b", r"\bH800\b")),
+        GpuSpec("h200", 141, 4800, 450, 50, "NVIDIA H200", (r"\bH200\b",)),
+        GpuSpec("a100-40gb", 40, 1555, 300, 25, "NVIDIA A100-SXM4-40GB", (r"\bA100\b.*\b40GB\b",)),
+        GpuSpec("a100-80gb", 80, 2039, 300, 25, "NVIDIA A100-SXM4-80GB", (r"\bA100\b",)),
+        GpuSpec("b200", 180, 8000, 900, 50, "NVIDIA B200", (r"\bB200\b",)),
+        GpuSpec("mi300x", 192, 5300, 448, 50, "AMD Instinct MI300X", (r"\bMI300X\b",)),
+        GpuSpec("l40s", 48, 864, 32, 25, "NVIDIA L40S", (r"\bL40S\b",)),
+        GpuSpec("cpu", 16, 20, 10, 1.25, "cpu", (r"\bCPU\b",)),
     )
 }
 
@@ -417,7 +428,9 @@ def tp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int, *, act_
     Megatron-LM (Shoeybi et al. 2019 §3, Fig. 4): two all-reduces of the s·b·h activation in forward
     (after attention and after the MLP) and two in backward; sequence parallelism (Korthikanti et al. 2022
     §4.2.2) swaps each for an all-gather + reduce-scatter, the same bytes. Full recomputation repeats
-    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t).
+    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t). Over a step of 12h²-parameter
+    blocks that is a comm/compute ratio of 2(t−1)·F/(9·h·W); :func:`tp_comm_ratio` publishes the forward
+    pass's (t−1)·F/(3·h·W), 1.5× that.
 
     >>> tp_bytes_per_layer(1024, 1, 4096, 8) / 2**20   # 4 · 2·7/8 · 8 MiB
     56.0
@@ -431,10 +444,52 @@ def pp_bytes_per_boundary(seq: int, micro_batch: int, hidden: int, tp: int = 1, 
     forward and the input gradient backward, s·b·h·act_bytes each, split over the t TP ranks
     (Narayanan et al. 2021 §4.1, scatter/gather optimization; sequence parallelism shards it the same way).
 
+    Over a whole step this is 4h/t bytes per token per boundary against 72h²·(L/p)/t FLOP per token on a
+    stage of 12h²-parameter layers, a ratio of p·F/(18·h·L·W); :func:`pp_comm_ratio` publishes the
+    forward pass's p·F/(12·h·L·W), 1.5× that.
+
     >>> pp_bytes_per_boundary(4096, 1, 8192, 8) / 2**20   # 2 · 64 MiB / 8
     16.0
     """
     return 2 * float(seq) * micro_batch * hidden * act_bytes / tp
+
+
+def tp_comm_ratio(tp: int, hidden: int, achieved_flops: float, bandwidth: float) -> float:
+    """TP communication time over compute time, (t−1)·F/(3·h·W) (the issue's convention; 0 without TP).
+
+    This is the forward pass of a block of 12h² parameters: per token each TP rank does 2·12h²/t = 24h²/t
+    FLOP and sends two all-reduces (or all-gather + reduce-scatter pairs) of its 2h-byte bf16 activation,
+    2 · 2(t−1)/t · 2h = 8h(t−1)/t bytes: (8h(t−1)/t)/W ÷ (24h²/t)/F = (t−1)·F/(3·h·W). Backward moves
+    the same 8h(t−1)/t bytes against twice the FLOPs (48h²/t), so over the whole step the ratio
+    :func:`tp_bytes_per_layer` implies is 16h(t−1)/t ÷ 72h²/t = 2(t−1)·F/(9·h·W), 2/3 of this one: that
+    1.5× is the only difference (same bf16 activations, same ring collectives). The same number is also
+    the whole step with full recomputation's two extra forward all-reduces (6 in all, 24h(t−1)/t bytes)
+    counted against the model's 72h²/t FLOP. The step-time model uses the byte counts, not this ratio.
+    ``achieved_flops`` is the rate the layout's matmuls run at (F × :func:`matmul_efficiency` in a plan);
+    ``bandwidth`` the TP group's link.
+
+    >>> round(tp_comm_ratio(8, 8192, 400e12, 450e9), 4)   # 7 · 400e12 / (3 · 8192 · 450e9)
+    0.2532
+    """
+    return (tp - 1) * achieved_flops / (3 * hidden * bandwidth)
+
+
+def pp_comm_ratio(pp: int, hidden: int, layers: int, achieved_flops: float, bandwidth: float,
+                  virtual_stages: int = 1) -> float:
+    """PP communication time over compute time, p·F/(12·h·L·W) (the issue's convention; 0 without PP).
+
+    The forward pass of a stage of L/p blocks of 12h² parameters: per token each rank sends its 2h/t-byte
+    share of the bf16 activation across the boundary and does 24h²·(L/p)/t FLOP:
+    (2h/t)/W ÷ (24h²L/(p·t))/F = p·F/(12·h·L·W). Backward sends the same bytes (the gradient) against
+    twice the FLOPs, so the whole-step ratio behind :func:`pp_bytes_per_boundary` is p·F/(18·h·L·W), 2/3
+    of this one (the same 1.5× as :func:`tp_comm_ratio`). With the interleaved schedule each rank holds
+    v chunks of L/(p·v) blocks and the activation crosses v boundaries per rank, so p becomes p·v
+    (Narayanan et al. 2021 §2.2.2: interleaving multiplies the communication by v).
+
+    >>> round(pp_comm_ratio(16, 16384, 126, 400e12, 50e9), 5)   # 16 · 400e12 / (12 · 16384 · 126 · 50e9)
+    0.00517
+    """
+    return pp * virtual_stages * achieved_flops / (12 * hidden * layers * bandwidth) if pp > 1 else 0.0
 
 
 def cp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, kv_heads: int, cp: int,
@@ -513,10 +568,79 @@ def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq
     return 6 * matmul_params + 12 * layers * hidden * seq
 
 
+# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: about the H100 SXM's 295 (989.4 TFLOP/s over
+# 3.35 TB/s); recent accelerators sit between ~150 (A100, MI250X) and ~400 (L4, L40S).
+DEFAULT_RIDGE = 300.0
+
+
+def roofline_efficiency(ridge: float, *dims: float) -> float:
+    """Share of its large-shape rate a kernel sustains when its operands must stream through device memory.
+
+    Soft roofline (Williams, Waterman & Patterson 2009, with compute and memory time added instead of
+    overlapped): an (m×k)·(k×n) bf16 matmul does 2mkn FLOP and moves at least 2(mk + kn + mn) bytes
+    (each operand read once, the result written once), so at peak P and memory bandwidth B it takes
+    2mkn/P · (1 + (P/B)·(1/m + 1/k + 1/n)). Its efficiency is 1 / (1 + ridge · Σ 1/dim) with
+    ridge = P/B the roofline's ridge point in FLOP/byte (295 on an H100 SXM: 989.4 TFLOP/s over 3.35 TB/s):
+    a dimension as long as the ridge halves the rate, one 10× longer costs ~9%. Because the sum is
+    symmetric, the backward matmuls (the same three dimensions, permuted) get the same efficiency. A fused
+    attention kernel (FlashAttention) of m queries against n keys moves Q, K, V and O but never the m×n
+    scores: 4mnd FLOP over 4d(m + n) bytes per head, so its dimensions are just (m, n).
+    ``ridge=0`` turns the model off (efficiency 1).
+
+    >>> round(roofline_efficiency(295, 4096, 4096, 4096), 3)   # 1 / (1 + 295 · 3/4096)
+    0.822
+    """
+    if ridge <= 0:
+        return 1.0
+    return 1.0 / (1.0 + ridge * sum(1.0 / d for d in dims))
+
+
+def matmul_efficiency(model: ModelSpec, tokens: float, tp: int, ridge: float) -> float:
+    """Efficiency (:func:`roofline_efficiency`) of one GPU's matmuls, weighted by their FLOPs.
+
+    ``tokens`` are the rows each GPU multiplies per micro-batch, b·s/cp (sequence parallelism all-gathers
+    the TP group's rows before each matmul); tensor parallelism splits the other dimension t ways. Per
+    block: wq (h × a·d/t), wk and wv (h × kv·d/t), wo (a·d/t × h), w1 and w3 (h × f/t), w2 (f/t × h);
+    plus the output projection (h × V/t). The result is their FLOP-weighted harmonic mean (total FLOPs over
+    total time), so a matmul that runs at half speed costs in proportion to its share of the work.
+
+    >>> mdl = ModelSpec(layers=1, hidden=1024, heads=8, ffn=4096, vocab=1024)
+    >>> round(matmul_efficiency(mdl, 2048, 1, 0), 3), round(matmul_efficiency(mdl, 2048, 1, 100), 3)
+    (1.0, 0.839)
+    """
+    h, d, f = model.hidden, model.head_dim, model.ffn
+    q, kv = model.heads * d / tp, model.kv_heads * d / tp
+    # (k, n, how many such matrices): per block, times layers; the output projection once
+    block = ((h, q, 1), (h, kv, 2), (q, h, 1), (h, f / tp, 2), (f / tp, h, 1))
+    shapes = [(k, n, c * model.layers) for k, n, c in block] + [(h, model.vocab / tp, 1)]
+    flops = sum(k * n * c for k, n, c in shapes)
+    time = sum(k * n * c / roofline_efficiency(ridge, tokens, k, n) for k, n, c in shapes)
+    return flops / time
+
+
+def attention_efficiency(seq: int, cp: int, ridge: float) -> float:
+    """Efficiency (:func:`roofline_efficiency`) of the fused attention kernels of one context-parallel rank.
+
+    Without CP one causal kernel pairs s queries with s keys: dimensions (s, s). Load-balanced causal ring
+    attention (each rank holds two chunks of s/(2c), one from each end, so every rank does the same work)
+    runs c kernels per layer: the local step pairs s/c queries with s/c keys, the c − 1 others s/c with
+    s/(2c) (or s/(2c) with s/c: half of each arriving block is masked away). Every step does the same
+    FLOPs (that is what the load balancing buys), so the penalty averages over the c steps:
+    ((c − 1)·3c/s + 2c/s)/c = (3c − 1)/s, and efficiency = 1 / (1 + ridge·(3c − 1)/s). The halved blocks
+    are the price of balancing the causal mask; c = 1 gives the plain kernel's 2/s.
+
+    >>> round(attention_efficiency(8192, 1, 295), 3), round(attention_efficiency(8192, 8, 295), 3)
+    (0.933, 0.547)
+    """
+    if ridge <= 0:
+        return 1.0
+    return 1.0 / (1.0 + ridge * (3 * cp - 1) / seq)
+
+
 # ============================================================================ layouts
 
 
-LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute")
+LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute", "kernels")
 
 
 @dataclass
@@ -547,14 +671,23 @@ class Layout:
     """Usable memory per GPU: the device's less the margin."""
     bubble_fraction: float = 0.0
     tp_comm_ratio: float = 0.0
-    """TP communication time / compute time (TP collectives are not overlapped)."""
+    """(t−1)·F/(3·h·W): the forward pass's TP comm/compute ratio (:func:`tp_comm_ratio`; F the layout's matmul
+    rate, W the TP link). The step time uses the byte counts (whole step: 2/3 of this), not overlapped."""
     pp_comm_ratio: float = 0.0
+    """p·F/(12·h·L·W): the forward pass's PP comm/compute ratio (:func:`pp_comm_ratio`; p·v when interleaved)."""
     cp_comm_ratio: float = 0.0
+    """Ring-attention traffic time / compute time (before overlap with the attention it feeds)."""
     dp_comm_ratio: float = 0.0
     """Data-parallel communication time / compute time (before overlap)."""
     dp_overlap_ok: bool = True
     """Tokens per dp rank ≥ F/W (:func:`dp_overlap_tokens`): the gradient sync can hide behind compute."""
     tp_intra_node: bool = True
+    matmul_efficiency: float = 1.0
+    """Share of the achieved (large-shape) FLOP/s this layout's matmuls sustain (:func:`matmul_efficiency`)."""
+    attention_efficiency: float = 1.0
+    """The same for its attention kernels (:func:`attention_efficiency`)."""
+    compute_s: float = 0.0
+    """Seconds of compute per step: model FLOPs and any recompute, at the kernels' rates."""
     step_time_s: float = 0.0
     predicted_mfu: float = 0.0
     feasible: bool = False
@@ -599,8 +732,8 @@ class Layout:
         keys = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero_stage", "schedule", "microbatches",
                 "virtual_stages", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb",
                 "memory_limit_gb", "bubble_fraction", "tp_comm_ratio", "pp_comm_ratio", "cp_comm_ratio",
-                "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "step_time_s", "predicted_mfu", "feasible",
-                "reason")
+                "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "matmul_efficiency", "attention_efficiency",
+                "compute_s", "step_time_s", "predicted_mfu", "feasible", "reason")
         out = {k: getattr(self, k) for k in keys}
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
@@ -627,6 +760,7 @@ class _Ctx:
     inter: tuple[float, float]  # across nodes
     peak: float
     achieved: float
+    ridge: float  # FLOP/byte, roofline_efficiency's ridge point; 0: no kernel-shape model
     optimizer_bytes: float
     zero_stages: tuple[int, ...]
     schedules: tuple[str, ...]
@@ -639,28 +773,54 @@ class _Ctx:
     max_tp: int
     # derived once in __post_init__
     model_flops: float = 0.0
-    compute: dict[str, float] = field(default_factory=dict)  # seconds of compute per GPU per step, by checkpointing
-    recompute: dict[str, float] = field(default_factory=dict)
-    attention_time: float = 0.0
+    _times: dict[tuple[int, int], "_Compute"] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         mdl = self.model
         self.layer_params, self.vocab_params = mdl.layer_params, mdl.vocab_params
-        tokens = self.batch * self.seq
-        per_token = training_flops_per_token(mdl.matmul_params, mdl.layers, mdl.hidden, self.seq)
-        self.model_flops = per_token * tokens
-        # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
-        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5.
-        extra = {"none": 0.0, "selective": 4.0 * mdl.layers * mdl.hidden * self.seq,
-                 "full": 2.0 * mdl.matmul_params + 4.0 * mdl.layers * mdl.hidden * self.seq}
-        for ac, flops in extra.items():
-            self.recompute[ac] = flops * tokens / self.world / self.achieved
-            self.compute[ac] = (per_token + flops) * tokens / self.world / self.achieved
-        self.attention_time = 12.0 * mdl.layers * mdl.hidden * self.seq * tokens / self.world / self.achieved
+        self.model_flops = self.batch * self.seq * training_flops_per_token(mdl.matmul_params, mdl.layers,
+                                                                            mdl.hidden, self.seq)
+
+    def times(self, cp: int, tp: int) -> "_Compute":
+        """Compute seconds per GPU per step for a cp × tp split (cached: many layouts share one)."""
+        key = (cp, tp)
+        if key not in self._times:
+            self._times[key] = _Compute.of(self, cp, tp)
+        return self._times[key]
 
     def link(self, inner: int) -> tuple[float, float]:
         """(bandwidth, latency) of an axis whose groups span ``inner`` consecutive ranks (degree × inner degrees)."""
         return self.intra if inner <= self.gpn and self.gpn % inner == 0 else self.inter
+
+
+@dataclass
+class _Compute:
+    """Compute time per GPU per step of one cp × tp split, by activation checkpointing (seconds)."""
+
+    matmul_eff: float
+    attention_eff: float
+    compute: dict[str, float]  # all of it: model FLOPs and recompute, at the kernels' efficiencies
+    recompute: dict[str, float]  # the recomputed forward alone
+    kernels: float  # what the efficiencies below 1 add to the model FLOPs' time
+    attention_fwd: float  # one layer's attention forward for one micro-batch (ring attention hides hops behind it)
+
+    @classmethod
+    def of(cls, ctx: _Ctx, cp: int, tp: int) -> "_Compute":
+        mdl, s = ctx.model, ctx.seq
+        mm_eff = matmul_efficiency(mdl, ctx.micro * s / cp, tp, ctx.ridge)
+        at_eff = attention_efficiency(s, cp, ctx.ridge)
+        per_gpu = ctx.batch * s / ctx.world / ctx.achieved  # seconds per (FLOP per token) at full efficiency
+        attn = mdl.layers * mdl.hidden * s  # the PaLM attention term per token is 12 of these
+        # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
+        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5.
+        extra = {"none": (0.0, 0.0), "selective": (0.0, 4.0 * attn), "full": (2.0 * mdl.matmul_params, 4.0 * attn)}
+        model = (6.0 * mdl.matmul_params / mm_eff + 12.0 * attn / at_eff) * per_gpu
+        ideal = (6.0 * mdl.matmul_params + 12.0 * attn) * per_gpu
+        recompute = {ac: (mm / mm_eff + at / at_eff) * per_gpu for ac, (mm, at) in extra.items()}
+        # attention forward of one layer, one micro-batch, on one GPU: 4·h·s FLOP per token (PaLM's 12·h·s ÷ 3)
+        attention_fwd = 4.0 * mdl.hidden * s * (ctx.micro * s / cp) / tp / (ctx.achieved * at_eff)
+        return cls(mm_eff, at_eff, {ac: model + r for ac, r in recompute.items()}, recompute, model - ideal,
+                   attention_fwd)
 
 
 @functools.lru_cache(maxsize=256)
@@ -733,11 +893,24 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     tp_time = {ac: ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full") * layers_stage * m,
                              (6 if ac == "full" else 4) * layers_stage * m * 2 * (t - 1), *tp_link)
                for ac in ctx.checkpointing}
-    # CP: ring hops hide behind the attention they feed; 2(c−1) message rounds per layer per micro-batch.
+    times = ctx.times(c, t)
+    # CP: ring hops hide behind the attention they feed, one step at a time: in forward each of the c − 1 hops
+    # (one K,V shard) overlaps one of the c attention steps; in backward each hop carries K, V, dK, dV (twice
+    # the bytes) behind a step of the backward (twice the FLOPs). A short chunk exposes the rest of its hop.
+    cp_link = ctx.link(c * t)
     cp_time = ring_time(cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) * layers_stage * m,
-                        2 * (c - 1) * layers_stage * m, *ctx.link(c * t)) if c > 1 else 0.0
-    cp_exposed = max(0.0, cp_time - ctx.attention_time)
+                        2 * (c - 1) * layers_stage * m, *cp_link) if c > 1 else 0.0
+    cp_exposed = 0.0
+    if c > 1:
+        kv = cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) / (3 * (c - 1))  # one shard
+        step_fwd = times.attention_fwd / c
+        hops = (max(0.0, ring_time(kv, 1, *cp_link) - step_fwd)
+                + max(0.0, ring_time(2 * kv, 1, *cp_link) - 2 * step_fwd))
+        cp_exposed = (c - 1) * hops * layers_stage * m
     pp_link = ctx.link(p * c * t)
+    # the issue's forward-pass ratios, at the rate this layout's matmuls run
+    rate = ctx.achieved * times.matmul_eff
+    tp_ratio = tp_comm_ratio(t, mdl.hidden, rate, tp_link[0])
     shard_link, rep_link = ctx.link(d * p * c * t), ctx.link(ctx.world)
     dp_bw = shard_link[0] if shard > 1 else rep_link[0]
     overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
@@ -766,10 +939,11 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
             # one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
             pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
                 if p > 1 else 0.0
+            pp_ratio = pp_comm_ratio(p, mdl.hidden, mdl.layers, rate, pp_link[0], v)
             for ac in ctx.checkpointing:
                 acts = per_layer[ac] * layers_stage * inflight + working[ac] + logits
                 memory = states + acts
-                compute = ctx.compute[ac]
+                compute = times.compute[ac]
                 bubble_time = compute * bubble / (1 - bubble)
                 # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3).
                 dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
@@ -777,12 +951,13 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
                 out.append(Layout(
                     r, d, p, c, t, z, sched, m, ac, v,
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
-                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble,
-                    tp_comm_ratio=tp_time[ac] / compute, pp_comm_ratio=pp_time / compute,
-                    cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute, dp_overlap_ok=overlap_ok,
-                    tp_intra_node=tp_link is ctx.intra, step_time_s=step,
+                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble, tp_comm_ratio=tp_ratio,
+                    pp_comm_ratio=pp_ratio, cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute,
+                    dp_overlap_ok=overlap_ok, tp_intra_node=tp_link is ctx.intra, matmul_efficiency=times.matmul_eff,
+                    attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
                     predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
-                    losses=(bubble_time, tp_time[ac], pp_time, cp_exposed, dp_exposed, ctx.recompute[ac]),
+                    losses=(bubble_time, tp_time[ac], pp_time, cp_exposed, dp_exposed, times.recompute[ac],
+                            times.kernels),
                 ))
     return out
 
@@ -792,14 +967,17 @@ def _loss_phrase(lay: Layout, key: str) -> str:
         return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
     if key == "tp":
         where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
-        return f"TP comm {lay.tp_comm_ratio:.2f}× compute {where} (tp={lay.tp})"
+        return f"TP collectives {where} (tp={lay.tp}, forward comm/compute {lay.tp_comm_ratio:.2f})"
     if key == "pp":
-        return f"PP send/recv {lay.pp_comm_ratio:.2f}× compute"
+        return f"PP send/recv (forward comm/compute {lay.pp_comm_ratio:.3f})"
     if key == "cp":
         return f"CP ring traffic {lay.cp_comm_ratio:.2f}× compute, not hidden by attention"
     if key == "dp":
         group = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "DDP"
         return f"{group} traffic {lay.dp_comm_ratio:.2f}× compute, not hidden"
+    if key == "kernels":
+        return (f"kernel shapes at cp={lay.cp}, tp={lay.tp} (matmuls at {lay.matmul_efficiency:.0%}, attention at "
+                f"{lay.attention_efficiency:.0%} of the large-shape rate)")
     return f"{lay.activation_checkpointing} activation recompute"
 
 
@@ -810,7 +988,9 @@ def _rank_key(lay: Layout) -> tuple:
     axes = (lay.dp_replicate > 1) + (lay.pp > 1) + (lay.cp > 1) + (lay.tp > 1)
     if not lay.feasible:
         return (True, lay.memory_gb, axes, lay.tp, lay.zero_stage)
-    traffic = lay.tp_comm_ratio + lay.pp_comm_ratio + lay.cp_comm_ratio + lay.dp_comm_ratio
+    # whole-step traffic / compute from the byte counts (the published TP/PP ratios are the forward pass's)
+    tp_pp = (lay.losses[1] + lay.losses[2]) / lay.compute_s if lay.compute_s > 0 else 0.0
+    traffic = tp_pp + lay.cp_comm_ratio + lay.dp_comm_ratio
     return (False, round(lay.step_time_s, 9), round(traffic, 2), axes, lay.tp, lay.zero_stage, lay.memory_gb)
 
 
@@ -912,15 +1092,16 @@ def format_table(layouts: Sequence[Layout]) -> str:
         (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
     """
     head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
-            f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'step s':>7} {'MFU':>5}  "
-            "fits  reason")
+            f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'mm eff':>6} {'step s':>7} "
+            f"{'MFU':>5}  fits  reason")
     lines = [head]
     for i, lay in enumerate(layouts, 1):
         lines.append(
             f"{i:<3} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.pp:>3} {lay.cp:>3} {lay.tp:>3} {lay.zero_stage:>4} "
             f"{lay.schedule:<11} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
             f"{lay.activation_gb:>7.1f} {lay.bubble_fraction:>7.1%} {lay.tp_comm_ratio:>8.3f} "
-            f"{lay.step_time_s:>7.3g} {lay.predicted_mfu:>5.1%}  {'yes' if lay.feasible else 'no ':<4}  {lay.reason}"
+            f"{lay.matmul_efficiency:>6.0%} {lay.step_time_s:>7.3g} {lay.predicted_mfu:>5.1%}  "
+            f"{'yes' if lay.feasible else 'no ':<4}  {lay.reason}"
         )
     return "\n".join(lines)
 
@@ -944,14 +1125,18 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
          activation_checkpointing: str | Sequence[str] = "auto", schedule: str | Sequence[str] = "auto",
          virtual_stages: Sequence[int] = (2, 4, 8), flash_attention: bool = True, sequence_parallel: bool = True,
          dtype: str = "bf16", max_pp: int | None = None, max_cp: int | None = None,
-         max_tp: int | None = None) -> Plan:
+         max_tp: int | None = None, roofline_ridge: float | None = None) -> Plan:
     """Enumerate every layout of ``nodes × gpus_per_node`` GPUs for ``model`` and rank them.
 
     ``model`` is a :class:`ModelSpec`, a meshkit ``LlamaConfig``, a Hugging Face config or a model with
     ``.config``. ``gpu`` is a :data:`GPU_TABLE` name or device string; another device needs ``memory_gb``
     (its links then default to 450 / 50 GB/s). Bandwidths are per GPU per direction (defaults from the
     table: 450 GB/s NVLink, 50 GB/s InfiniBand on H100); ``peak_tflops`` defaults to profiling's dense
-    peak for ``gpu`` and ``dtype``; achieved FLOP/s to ``achieved_fraction`` of it. ``zero_stage``, ``schedule`` and
+    peak for ``gpu`` and ``dtype``; achieved FLOP/s to ``achieved_fraction`` of it: the rate large matmuls
+    sustain. A layout's kernels run at that rate times their shape efficiency (:func:`matmul_efficiency`,
+    :func:`attention_efficiency`), set by ``roofline_ridge`` (FLOP/byte; default the dense peak over the GPU's
+    memory bandwidth, 295 on an H100 SXM, :data:`DEFAULT_RIDGE` for a device outside the table; 0 turns
+    the shape model off). ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
     ``flash_attention`` drops the s×s score term from the activations (FlashAttention / SDPA never
     stores it); ``sequence_parallel`` shards TP activations as torchtitan's TP plan does.
@@ -998,12 +1183,17 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
             f"plan: `achieved_tflops={achieved / 1e12:g}` must be in (0, peak={peak / 1e12:g}] TFLOP/s "
             f"for `gpu={gpu!r}`."
         )
+    if roofline_ridge is None:
+        roofline_ridge = peak / (spec.hbm_bw_gbs * 1e9) if spec is not None else DEFAULT_RIDGE
+    if not roofline_ridge >= 0:
+        raise ValueError(f"plan: `roofline_ridge={roofline_ridge}` must be >= 0 FLOP/byte (0: no kernel-shape model).")
     auto_ac = ("none", "full") if flash_attention else CHECKPOINTING
     world = nodes * gpus_per_node
     ctx = _Ctx(
         model=mdl, seq=seq_len, batch=global_batch, micro=micro_batch, gpn=gpus_per_node, world=world,
         memory=mem * GiB * (1 - memory_margin), intra=(intra * 1e9, intra_latency_us * 1e-6),
-        inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, optimizer_bytes=optimizer_bytes,
+        inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, ridge=float(roofline_ridge),
+        optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
         schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
@@ -1017,7 +1207,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
               "global_batch": global_batch, "micro_batch": micro_batch, "nodes": nodes,
               "gpus_per_node": gpus_per_node, "world_size": world, "gpu": spec.name if spec else gpu,
               "memory_gb": mem, "memory_margin": memory_margin, "intra_bw_gbs": intra, "inter_bw_gbs": inter,
-              "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "optimizer_bytes": optimizer_bytes}
+              "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
+              "optimizer_bytes": optimizer_bytes}
     return Plan(layouts, rejected, inputs)
 
 
@@ -1156,7 +1347,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-bw", type=float, default=None, help="per-direction GB/s in a node (default 450 on H100)")
     g.add_argument("--inter-bw", type=float, default=None, help="per-direction GB/s across nodes (default 50 on H100)")
     g.add_argument("--peak-tflops", type=float, default=None, help="dense peak (default: profiling's peak table)")
-    g.add_argument("--achieved-tflops", type=float, default=None, help="sustained TFLOP/s (default 50%% of peak)")
+    g.add_argument("--achieved-tflops", type=float, default=None,
+                   help="TFLOP/s large matmuls sustain in training (default 50%% of peak)")
+    g.add_argument("--roofline-ridge", type=float, default=None,
+                   help="FLOP/byte at which a kernel's memory time equals its math time; sets how much small "
+                        "per-GPU matmuls and attention chunks slow down (default peak / HBM bandwidth, 295 on "
+                        "H100 SXM; 0: ignore kernel shapes)")
     g = parser.add_argument_group("training")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
@@ -1179,7 +1375,8 @@ def run_cli(args: argparse.Namespace) -> int:
         result = plan(model, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
                       intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
-                      achieved_tflops=args.achieved_tflops, zero_stage=args.zero, schedule=args.schedule,
+                      achieved_tflops=args.achieved_tflops, roofline_ridge=args.roofline_ridge,
+                      zero_stage=args.zero, schedule=args.schedule,
                       activation_checkpointing=args.activation_checkpointing,
                       optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
                       max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp)

@@ -128,6 +128,60 @@ def test_dp_bytes_per_zero_stage():
     assert pl.dp_bytes_per_step(psi, 1, 4, 2, 1) == pytest.approx((3e9, 0.5e9))
 
 
+def test_tp_and_pp_comm_ratios_follow_the_issue():
+    # (t−1)·F/(3·h·W): 7 · 400e12 / (3 · 16384 · 450e9) = 2.8e15 / 2.21184e16
+    assert pl.tp_comm_ratio(8, 16384, 400e12, 450e9) == pytest.approx(2.8e15 / 2.21184e16)
+    assert pl.tp_comm_ratio(1, 16384, 400e12, 450e9) == 0.0
+    # p·F/(12·h·L·W): 8 · 400e12 / (12 · 16384 · 126 · 50e9) = 3.2e15 / 1.23863e18
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9) == pytest.approx(3.2e15 / (12 * 16384 * 126 * 50e9))
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9) == pytest.approx(2.5835e-3, rel=1e-4)
+    assert pl.pp_comm_ratio(1, 16384, 126, 400e12, 50e9) == 0.0
+    # interleaved, v = 4 chunks per rank: the activation crosses p·v = 32 boundaries
+    assert pl.pp_comm_ratio(8, 16384, 126, 400e12, 50e9, 4) == pytest.approx(32 * 400e12 / (12 * 16384 * 126 * 50e9))
+    # The byte counts behind the step time give 2/3 of each over a whole step. Per token of a 12h² block:
+    # TP forward 2 all-reduces · 2(t−1)/t · 2h B against 24h²/t FLOP; forward + backward 4 of them against 72h²/t.
+    h, t, F, W = 4096, 4, 1e15, 1e11
+    fwd = (2 * 2 * (t - 1) / t * 2 * h / W) / (24 * h * h / t / F)
+    step = (4 * 2 * (t - 1) / t * 2 * h / W) / (72 * h * h / t / F)
+    assert pl.tp_comm_ratio(t, h, F, W) == pytest.approx(fwd)
+    assert fwd == pytest.approx(1.5 * step)
+    assert pl.tp_bytes_per_layer(1, 1, h, t) == pytest.approx(4 * 2 * (t - 1) / t * 2 * h)  # one token
+
+
+def test_roofline_efficiency_by_hand():
+    # 4096³ bf16 GEMM on an H100 SXM (ridge 989.4e12 / 3.35e12 = 295.3 FLOP/B): 1 / (1 + 295 · 3/4096)
+    assert pl.roofline_efficiency(295, 4096, 4096, 4096) == pytest.approx(1 / (1 + 885 / 4096))
+    assert pl.roofline_efficiency(100, 100) == pytest.approx(0.5)  # one dimension as long as the ridge: half
+    assert pl.roofline_efficiency(100, 1000, 1e12) == pytest.approx(1 / 1.1)  # 10× the ridge: ~9% slower
+    assert pl.roofline_efficiency(0, 1, 1, 1) == 1.0  # ridge 0: the model is off
+
+
+def test_matmul_efficiency_by_hand():
+    # h = 64, 4 heads of d = 16 (kv = 4), f = 256, V = 256, 4 layers; tp = 2, 128 rows per GPU, ridge 32.
+    mdl = ModelSpec(layers=4, hidden=64, heads=4, ffn=256, vocab=256)
+    # wq, wk, wv (64 × 32) and wo (32 × 64): 32·(1/128 + 1/64 + 1/32) = 0.25 + 0.5 + 1 → efficiency 1/2.75
+    # w1, w3 (64 × 128), w2 (128 × 64), output (64 × 128): 32·(1/128 + 1/64 + 1/128) = 1 → 1/2
+    attn_flops = 4 * (4 * 64 * 32)  # per layer, 4 layers (FLOPs ∝ k·n: the 2·rows factor cancels)
+    mlp_flops = 4 * (3 * 64 * 128) + 64 * 128  # plus the output projection
+    time = attn_flops * 2.75 + mlp_flops * 2
+    assert pl.matmul_efficiency(mdl, 128, 2, 32) == pytest.approx((attn_flops + mlp_flops) / time)
+    assert pl.matmul_efficiency(mdl, 128, 2, 32) == pytest.approx(17 / 37)  # 139264 / 303104
+    assert pl.matmul_efficiency(mdl, 128, 2, 0) == 1.0
+    # more rows per GPU, or fewer TP ranks, make every matmul bigger and faster
+    assert pl.matmul_efficiency(mdl, 1024, 2, 32) > pl.matmul_efficiency(mdl, 128, 2, 32)
+    assert pl.matmul_efficiency(mdl, 128, 1, 32) > pl.matmul_efficiency(mdl, 128, 2, 32)
+
+
+def test_attention_efficiency_by_hand():
+    # no CP: one s × s kernel, 295·(1/8192 + 1/8192); cp = 4: (3·4 − 1)/8192 — the local step is
+    # (2048, 2048), the other three (2048, 1024): (2·4 + 3·12)/(4·8192) = 11/8192
+    assert pl.attention_efficiency(8192, 1, 295) == pytest.approx(1 / (1 + 295 * 2 / 8192))
+    steps = 2 / 2048 + 3 * (1 / 2048 + 1 / 1024)  # Σ 1/dim over the 4 steps
+    assert pl.attention_efficiency(8192, 4, 295) == pytest.approx(1 / (1 + 295 * steps / 4))
+    assert pl.attention_efficiency(8192, 4, 295) == pytest.approx(1 / (1 + 295 * 11 / 8192))
+    assert pl.attention_efficiency(8192, 4, 0) == 1.0
+
+
 def test_overlap_tokens_and_flops_per_token():
     assert pl.dp_overlap_tokens(400e12, 50e9) == pytest.approx(8000)
     # 6·1e9 + 12·10·1000·100
@@ -197,6 +251,7 @@ def test_device_outside_the_gpu_table_needs_its_memory():
                memory_gb=24)
     assert res.inputs["peak_tflops"] == pytest.approx(165.2)
     assert (res.inputs["intra_bw_gbs"], res.inputs["inter_bw_gbs"]) == (450.0, 50.0)
+    assert res.inputs["roofline_ridge"] == pl.DEFAULT_RIDGE == 300.0
     with pytest.raises(ValueError, match="not in the planner's GPU table"):
         plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="NVIDIA GeForce RTX 4090")
     with pytest.raises(ValueError, match="matches no row of the peak table"):
@@ -207,6 +262,11 @@ def test_peak_comes_from_profiling_table():
     p = plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="h100-sxm")
     assert p.inputs["peak_tflops"] == pytest.approx(989.4)
     assert p.inputs["achieved_tflops"] == pytest.approx(989.4 / 2)  # default: half of peak
+    assert p.inputs["roofline_ridge"] == pytest.approx(989.4e12 / 3.35e12)  # peak / HBM3 bandwidth = 295.3
+    p = plan(LLAMA2_7B, seq_len=1024, global_batch=64, gpu="a100-80gb", peak_tflops=312)
+    assert p.inputs["roofline_ridge"] == pytest.approx(312e12 / 2.039e12)  # 153.0
+    with pytest.raises(ValueError, match="roofline_ridge=-1"):
+        plan(LLAMA2_7B, seq_len=1024, global_batch=64, roofline_ridge=-1, **H100)
 
 
 # ----------------------------------------------------------------------------------- one layout by hand
@@ -216,7 +276,7 @@ def test_one_layout_memory_and_time_by_hand():
     mdl = ModelSpec(layers=4, hidden=64, heads=4, ffn=256, vocab=256)
     p = plan(mdl, seq_len=128, global_batch=8, nodes=1, gpus_per_node=4, gpu="cpu", memory_gb=1,
              intra_bw_gbs=10, inter_bw_gbs=1, peak_tflops=1.0, achieved_tflops=0.5, intra_latency_us=0,
-             inter_latency_us=0, zero_stage=3, activation_checkpointing="none")
+             inter_latency_us=0, zero_stage=3, activation_checkpointing="none", roofline_ridge=0)
     lay = next(x for x in p.layouts if (x.dp_replicate, x.dp_shard, x.pp, x.cp, x.tp) == (1, 2, 1, 1, 2))
     layer = 4 * 64 * 64 + 2 * 64 + 3 * 64 * 256  # wq, wk, wv, wo + norms + w1, w2, w3
     params_gpu = (4 * layer + 2 * 256 * 64) / 2  # tp = 2 splits every matrix
@@ -231,9 +291,13 @@ def test_one_layout_memory_and_time_by_hand():
     # compute: (6·N_matmul + 12·L·h·s) · tokens / world / achieved
     flops = (6 * (4 * layer + 256 * 64) + 12 * 4 * 64 * 128) * 8 * 128
     compute = flops / 4 / 0.5e12
+    assert lay.compute_s == pytest.approx(compute)
+    assert (lay.matmul_efficiency, lay.attention_efficiency) == (1.0, 1.0)  # roofline_ridge=0
     # TP: 4 all-reduces of S = 128·64·2 B, 2·1/2·S each, per layer (4) per micro-batch (4), on 10 GB/s
     tp_time = 4 * 128 * 64 * 2 * 4 * 4 / 10e9
-    assert lay.tp_comm_ratio == pytest.approx(tp_time / compute)
+    assert lay.losses_s["tp"] == pytest.approx(tp_time)
+    # the published ratio is the issue's (t−1)·F/(3·h·W) = 1 · 0.5e12 / (3 · 64 · 10e9)
+    assert lay.tp_comm_ratio == pytest.approx(0.5e12 / (3 * 64 * 10e9))
     # ZeRO-3 traffic (m = 4): 4 RS + 8 AG of 1/2 · 2 B · params_gpu, hidden behind compute? check the ratio
     dp_time = 12 * 0.5 * 2 * params_gpu / 10e9
     assert lay.dp_comm_ratio == pytest.approx(dp_time / compute)
@@ -241,19 +305,56 @@ def test_one_layout_memory_and_time_by_hand():
     assert lay.predicted_mfu == pytest.approx(flops / (4 * 1e12 * lay.step_time_s))
 
 
+def test_one_layout_with_kernel_shapes_by_hand():
+    # The layout above with the kernel-shape model on (ridge 32 FLOP/B): tp = 2, 128 rows per GPU.
+    mdl = ModelSpec(layers=4, hidden=64, heads=4, ffn=256, vocab=256)
+    p = plan(mdl, seq_len=128, global_batch=8, nodes=1, gpus_per_node=4, gpu="cpu", memory_gb=1,
+             intra_bw_gbs=10, inter_bw_gbs=1, peak_tflops=1.0, achieved_tflops=0.5, intra_latency_us=0,
+             inter_latency_us=0, zero_stage=3, activation_checkpointing="none", roofline_ridge=32)
+    lay = next(x for x in p.layouts if (x.dp_replicate, x.dp_shard, x.pp, x.cp, x.tp) == (1, 2, 1, 1, 2))
+    eff_mm = 17 / 37  # test_matmul_efficiency_by_hand
+    eff_at = 1 / (1 + 32 * 2 / 128)  # one 128 × 128 attention kernel: 2/3
+    assert (lay.matmul_efficiency, lay.attention_efficiency) == (pytest.approx(eff_mm), pytest.approx(eff_at))
+    layer = 4 * 64 * 64 + 2 * 64 + 3 * 64 * 256
+    matmul, attn = 6 * (4 * layer + 256 * 64), 12 * 4 * 64 * 128  # FLOP per token
+    per_token = 8 * 128 / 4 / 0.5e12  # tokens per GPU / achieved FLOP/s
+    compute = (matmul / eff_mm + attn / eff_at) * per_token
+    assert lay.compute_s == pytest.approx(compute)
+    assert lay.losses_s["kernels"] == pytest.approx(compute - (matmul + attn) * per_token)
+    # the TP ratio is at the rate the matmuls run: (t−1) · F·η / (3·h·W)
+    assert lay.tp_comm_ratio == pytest.approx(0.5e12 * eff_mm / (3 * 64 * 10e9))
+    tp_time = 4 * 128 * 64 * 2 * 4 * 4 / 10e9  # the byte counts do not change
+    params_gpu = (4 * layer + 2 * 256 * 64) / 2
+    dp_time = 12 * 0.5 * 2 * params_gpu / 10e9
+    assert lay.step_time_s == pytest.approx(compute + tp_time + max(0.0, dp_time - compute))
+    flops = (matmul + attn) * 8 * 128
+    assert lay.predicted_mfu == pytest.approx(flops / (4 * 1e12 * lay.step_time_s))
+
+
 def test_tp_and_pp_ratios_match_their_closed_forms():
-    # A GPT-shaped layer (ffn = 8h/3: 12h² parameters), short sequence, tiny vocab, no latency: compute is
-    # 72h²/t FLOP per token per GPU, TP sends 4 · 2(t−1)/t · 2h bytes per token, so
-    # TP ratio = 16h(t−1)/t/W ÷ 72h²/(tF) = 2(t−1)F/(9hW). (The issue's (t−1)F/(3hW) is 1.5× this.)
-    # PP sends 2 · 2h/t bytes per token per boundary: ratio = 4h/(tW) ÷ 72h²(L/p)/(tF) = p·F/(18·h·L·W).
+    # A GPT-shaped layer (ffn = 8h/3: 12h² parameters), short sequence, tiny vocab, no latency, no kernel-shape
+    # model. Published (the issue's convention, the forward pass): TP (t−1)F/(3hW), PP p·F/(12hLW).
+    # The step time's byte counts over forward + backward: compute is 72h²/t FLOP per token per GPU, TP sends
+    # 4 · 2(t−1)/t · 2h bytes per token: 16h(t−1)/t/W ÷ 72h²/(tF) = 2(t−1)F/(9hW), 2/3 of the published one;
+    # PP sends 2 · 2h/t bytes per token per boundary: 4h/(tW) ÷ 72h²(L/p)/(tF) = p·F/(18·h·L·W), also 2/3.
     h, t, p_, layers, F, W = 3072, 4, 2, 8, 400e12, 50e9
     mdl = ModelSpec(layers=layers, hidden=h, heads=24, ffn=8 * h // 3, vocab=8)
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
-               activation_checkpointing="none", schedule="1f1b")
+               activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
-    assert lay.tp_comm_ratio == pytest.approx(2 * (t - 1) * F / (9 * h * W), rel=0.01)
-    assert lay.pp_comm_ratio == pytest.approx(p_ * F / (18 * h * layers * W), rel=0.01)
+    assert lay.tp_comm_ratio == pytest.approx(3 * 400e12 / (3 * 3072 * 50e9))  # = 2.604
+    assert lay.pp_comm_ratio == pytest.approx(2 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.0543
+    assert lay.losses_s["tp"] / lay.compute_s == pytest.approx(2 * (t - 1) * F / (9 * h * W), rel=0.01)
+    assert lay.losses_s["pp"] / lay.compute_s == pytest.approx(p_ * F / (18 * h * layers * W), rel=0.01)
+    # interleaved with v = 2: p·v = 4 chunk boundaries in both conventions
+    res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
+               achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
+               activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
+    lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
+    assert lay.virtual_stages == 2
+    assert lay.pp_comm_ratio == pytest.approx(4 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.1085
+    assert lay.losses_s["pp"] / lay.compute_s == pytest.approx(4 * F / (18 * h * layers * W), rel=0.01)
 
 
 def test_zero_stage_zero_means_ddp_only():
@@ -274,6 +375,32 @@ def test_7b_on_one_node_gets_little_or_no_tp(seq, batch):
     assert best.tp <= 4 and best.tp_intra_node
     assert best.world_size == 8
     assert best.memory_gb <= 80 * 0.9
+
+
+@pytest.mark.parametrize("ridge", [None, 150, 450])
+def test_405b_on_16k_h100_with_every_option_open_gets_tp8_with_pipeline_across_nodes(ridge):
+    # Every ZeRO stage, CP, schedule and checkpointing open; 16M tokens a step = 2048 sequences of 8192
+    # (Llama 3 paper), micro-batch 1. The default ridge (295 FLOP/B on H100) and half / 1.5× of it agree.
+    p = plan(LLAMA3_405B, seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8, roofline_ridge=ridge,
+             **H100)
+    best = p.best
+    assert best is not None
+    assert best.tp == 8 and best.tp_intra_node
+    assert best.pp > 1
+    assert best.pp * best.cp * best.tp > 8  # the pipeline axis spans nodes
+    # What decides it: tp 8 keeps 8192/cp rows per GPU in each matmul; the best tp ≤ 4 layout needs more
+    # CP or PP to fit and runs smaller kernels.
+    other = next(lay for lay in p.feasible if lay.tp < 8)
+    assert best.matmul_efficiency > other.matmul_efficiency
+    assert best.attention_efficiency >= other.attention_efficiency
+    assert "faster than the best other shape" in p.explanation
+
+
+def test_405b_without_the_kernel_shape_model_prefers_cp_over_tp():
+    # The root cause the kernel-shape model fixes: in a bandwidth-only model (roofline_ridge=0) ring attention
+    # with GQA-8 moves little, so tp 4 with a long CP ring looks cheapest.
+    p = plan(LLAMA3_405B, seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8, roofline_ridge=0, **H100)
+    assert p.best.tp < 8 and p.best.cp >= 8
 
 
 def test_405b_on_16k_h100_gets_tp8_with_pipeline_across_nodes():
@@ -304,6 +431,14 @@ def test_top_layout_never_puts_tp_across_nodes(case):
     assert all(lay.tp_intra_node for lay in p.feasible[:5])
     if case != "405b-default":  # ... though TP across nodes was on the table and fits in memory
         assert any(not lay.tp_intra_node for lay in p.feasible)
+
+
+def test_70b_on_64_gpus_is_sensible():
+    p = plan(LLAMA3_70B, seq_len=4096, global_batch=256, nodes=8, gpus_per_node=8, **H100)
+    best = p.best
+    assert best is not None
+    assert best.tp in (4, 8) and best.tp_intra_node
+    assert best.pp > 1 or (best.dp_shard > 1 and best.zero_stage >= 1)  # the states are split somehow
 
 
 def test_ranking_is_feasible_first_then_fastest():
@@ -431,7 +566,8 @@ def test_cli_json_shape(capsys):
     assert len(layouts) == 5
     keys = {"dp_replicate": int, "dp_shard": int, "pp": int, "cp": int, "tp": int, "zero_stage": int,
             "schedule": str, "microbatches": int, "model_state_gb": float, "activation_gb": float,
-            "memory_gb": float, "bubble_fraction": float, "tp_comm_ratio": float, "predicted_mfu": float,
+            "memory_gb": float, "bubble_fraction": float, "tp_comm_ratio": float, "pp_comm_ratio": float,
+            "matmul_efficiency": float, "attention_efficiency": float, "predicted_mfu": float,
             "feasible": bool, "reason": str}
     for lay in layouts:
         for key, typ in keys.items():
@@ -441,6 +577,12 @@ def test_cli_json_shape(capsys):
     assert [x["step_time_s"] for x in layouts] == sorted(x["step_time_s"] for x in layouts)
     assert data["inputs"]["achieved_tflops"] == pytest.approx(400)
     assert data["inputs"]["params"] == pytest.approx(70e9)
+    for lay in layouts:  # the issue's ratios, at the rate each layout's matmuls run; h = 8192, W = 450 GB/s in a node
+        assert lay["tp_comm_ratio"] == pytest.approx((lay["tp"] - 1) * 400e12 * lay["matmul_efficiency"]
+                                                     / (3 * 8192 * 450e9), rel=1e-4)
+    rc, out = _cli(CLI_70B + ["--top", "1", "--json", "--roofline-ridge", "0"], capsys)
+    assert rc == 0 and json.loads(out)["inputs"]["roofline_ridge"] == 0
+    assert json.loads(out)["best"]["matmul_efficiency"] == 1.0
 
 
 def test_cli_table_and_infeasible_exit_code(capsys):
