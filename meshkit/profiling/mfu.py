@@ -207,6 +207,12 @@ class MFUMonitor(Callback):
         profile_every: a torch.profiler window every this many batches (0: never).
         profile_start: batch index of the first window.
         profile_steps: active steps per window (after one warm-up step).
+        profile_budget: the largest share of training time the profiler windows may take (default
+            0.5 %, so that with the per-step timers the monitor stays under 1 %). Each
+            window's cost is measured (its steps' slow-down, trace export, analysis and TensorBoard
+            writing, the slowest rank's) and the next window waits at least
+            ``cost / (profile_budget · step time)`` batches, never fewer than ``profile_every``.
+            ``None``: a window every ``profile_every`` batches whatever it costs.
         log_every: log scalars every this many batches (default: the Trainer's log_every_n_steps).
         trace_dir: where traces go (default ``<log_dir>/profiler``, which TensorBoard's
             pytorch_profiler tab reads).
@@ -219,7 +225,8 @@ class MFUMonitor(Callback):
     def __init__(self, *, peak_flops: float | None = None, dtype: Any = None, flops_per_token: float | None = None,
                  seq_len: int | None = None, tokens_fn: Callable[[Any], int] | None = None,
                  measure_flops: bool = True, flop_count_batch: int = 1, profile_every: int = 100,
-                 profile_start: int = 5, profile_steps: int = 2, log_every: int | None = None,
+                 profile_start: int = 5, profile_steps: int = 2, profile_budget: float | None = 0.005,
+                 log_every: int | None = None,
                  trace_dir: str | None = None, history: int = 10_000) -> None:
         for name, value in (("profile_every", profile_every), ("profile_start", profile_start),
                             ("flop_count_batch", flop_count_batch)):
@@ -227,6 +234,8 @@ class MFUMonitor(Callback):
                 raise ValueError(f"MFUMonitor: `{name}={value!r}` must be an int >= 0.")
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"MFUMonitor: `profile_steps={profile_steps!r}` must be an int >= 1.")
+        if profile_budget is not None and not (isinstance(profile_budget, (int, float)) and 0 < profile_budget <= 1):
+            raise ValueError(f"MFUMonitor: `profile_budget={profile_budget!r}` must be in (0, 1] (or None).")
         if log_every is not None and (not isinstance(log_every, int) or log_every < 1):
             raise ValueError(f"MFUMonitor: `log_every={log_every!r}` must be an int >= 1 (or None).")
         if peak_flops is not None and not (isinstance(peak_flops, (int, float)) and peak_flops > 0):
@@ -234,7 +243,7 @@ class MFUMonitor(Callback):
         self.peak_flops, self.dtype, self.flops_per_token = peak_flops, dtype, flops_per_token
         self.seq_len, self.tokens_fn, self.measure_flops = seq_len, tokens_fn or batch_tokens, measure_flops
         self.flop_count_batch, self.profile_every = flop_count_batch, profile_every
-        self.profile_start, self.profile_steps = profile_start, profile_steps
+        self.profile_start, self.profile_steps, self.profile_budget = profile_start, profile_steps, profile_budget
         self.log_every, self.trace_dir = log_every, trace_dir
         self.history: deque[StepMetrics] = deque(maxlen=history)
         self.peak_source = ""
@@ -257,6 +266,9 @@ class MFUMonitor(Callback):
         self._prof: Any = None
         self._prof_steps = 0
         self._prof_first = 0
+        self._next_window = self.profile_start
+        self._window_t0 = 0.0
+        self.profile_windows: list[dict[str, float]] = []
         self._window_data_ms: list[float] = []
         self._window_fb_ms: list[float] = []
         self._pending: list[StepMetrics] = []
@@ -327,8 +339,9 @@ class MFUMonitor(Callback):
         self._clock.marks.clear()
         self._clock.mark("start")
         b = self._batches
-        if self.profile_every and b >= self.profile_start and (b - self.profile_start) % self.profile_every == 0 \
-                and self._prof is None and b != self.flop_count_batch and self._window_fits(trainer):
+        if self.profile_every and b >= self._next_window and self._prof is None and b != self.flop_count_batch \
+                and self._window_fits(trainer):
+            self._window_t0 = time.perf_counter()
             self._start_window()
         if self.measure_flops and b == self.flop_count_batch and self._prof is None:
             self._counting = flop_counter()
@@ -458,6 +471,25 @@ class MFUMonitor(Callback):
         trainer.strategy.barrier("meshkit_mfu_window")  # every rank's trace of this window is on disk
         if trainer.is_global_zero:
             self._write_window(trainer, self._prof_first)
+        # after rank 0's writing, which every rank would wait for at its next collective anyway
+        self._schedule_next_window(trainer)
+
+    def _schedule_next_window(self, trainer: Any) -> None:
+        """Measure what this window cost and agree with every rank on the batch of the next one."""
+        recent = sorted(m.step_time_s for m in list(self.history)[-64:])
+        step_s = recent[len(recent) // 2] if recent else 0.0
+        cost = time.perf_counter() - self._window_t0 - (1 + self.profile_steps) * step_s
+        agreed = torch.tensor([max(cost, 0.0), step_s], dtype=torch.float64)
+        if self._world > 1:
+            dev = self._device if self._device.type == "cuda" else torch.device("cpu")
+            agreed = trainer.strategy.reduce(agreed.to(dev), reduce_op="max").cpu()
+        cost, step_s = float(agreed[0]), float(agreed[1])
+        gap = self.profile_every
+        if self.profile_budget is not None and step_s > 0:
+            gap = max(gap, math.ceil(cost / (self.profile_budget * step_s)))
+        self._next_window = self._prof_first + gap
+        self.profile_windows.append({"batch": self._prof_first, "cost_s": cost, "step_s": step_s,
+                                     "next_batch": self._next_window})
 
     def _analyze_window(self, path: str) -> _Window | None:
         from meshkit.profiling.overlap import rank_step_metrics

@@ -3,6 +3,8 @@ reference, MFU matches the formula by hand, and `analyze` reads the traces it wr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.dist_pool import ProcessPool
@@ -71,3 +73,36 @@ def test_mfu_monitor_ddp_gloo(pool, tmp_path):
     for v in res["ranks"].values():
         assert v["steps"] >= 1 and v["compute_ms"] > 0 and v["comm_ms"] > 0  # DDP's gloo all_reduce
         assert 0 <= v["overlap_pct"] <= 100
+
+
+def _windows(rank, world_size, root, budget):
+    import lightning as L
+    import torch
+
+    from meshkit.models import LlamaConfig, LlamaLM, synthetic_tokens
+    from meshkit.profiling.mfu import MFUMonitor
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(synthetic_tokens(world_size * BATCH * 16, SEQ, 256), batch_size=BATCH)
+    mon = MFUMonitor(profile_every=2, profile_start=2, profile_steps=1, profile_budget=budget, log_every=4)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy="ddp", max_steps=16, logger=False,
+                        default_root_dir=root, callbacks=[mon], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LlamaLM(LlamaConfig.tiny()), loader)
+    return mon.profile_windows
+
+
+@pytest.mark.parametrize("budget", [None, 0.01])
+def test_profile_budget_spaces_windows_alike_on_every_rank(pool, tmp_path, budget):
+    """Without a budget a window starts every 2 batches; with 1 % the measured cost (far above 1 % of
+    these ~20 ms steps) pushes the next one past the run. Every rank agrees on every window."""
+    results = pool.run(_windows, str(tmp_path), budget)
+    assert all(r == results[0] for r in results)  # same batches, costs and gaps on all ranks
+    windows = results[0]
+    assert [w["batch"] for w in windows] == ([2, 4, 6, 8, 10, 12, 14] if budget is None else [2])
+    for w in windows:
+        assert w["cost_s"] > 0 and w["step_s"] > 0
+        gap = 2 if budget is None else max(2, math.ceil(w["cost_s"] / (budget * w["step_s"])))
+        assert w["next_batch"] == w["batch"] + gap
+    if budget is not None:
+        assert windows[0]["next_batch"] > 16

@@ -90,6 +90,7 @@ def test_report_layer(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(profile_steps=0), r"profile_steps=0"), (dict(profile_every=-1), r"profile_every=-1"),
     (dict(log_every=0), r"log_every=0"), (dict(peak_flops=-5), r"peak_flops=-5"),
+    (dict(profile_budget=0), r"profile_budget=0"), (dict(profile_budget=1.5), r"profile_budget=1.5"),
 ])
 def test_monitor_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
