@@ -168,11 +168,22 @@ class StepMetrics:
 
 
 class _Clock:
-    """Step phase stamps: CUDA events on GPU (read after one sync per step), perf_counter on CPU."""
+    """One step's phase stamps: CUDA events on GPU, perf_counter on CPU.
+
+    A GPU step's events are read one step late (``deferred``): by the end of the next step the
+    host has queued that step's work behind them, so waiting on them never drains the device.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.deferred = self.cuda
         self.marks: dict[str, Any] = {}
+
+    def phases_ms(self) -> tuple[float, float]:
+        """(forward+backward, optimizer) in ms: start → opt → end, or start → end without an optimizer mark."""
+        if "opt" in self.marks:
+            return self.ms("start", "opt"), self.ms("opt", "end")
+        return self.ms("start", "end"), 0.0
 
     def mark(self, name: str) -> None:
         if self.cuda:
@@ -272,6 +283,8 @@ class MFUMonitor(Callback):
         self._window_data_ms: list[float] = []
         self._window_fb_ms: list[float] = []
         self._pending: list[StepMetrics] = []
+        self._unread: list[tuple[int, float, float, _Clock, bool]] = []
+        self._plain_step_s: deque[float] = deque(maxlen=64)  # recent steps outside profiler windows
         self._log_dir: str | None = None
 
     # ------------------------------------------------------------------ setup
@@ -334,9 +347,7 @@ class MFUMonitor(Callback):
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._t_start = time.perf_counter()
-        if self._clock is None:
-            self._clock = _Clock(self._device)
-        self._clock.marks.clear()
+        self._clock = _Clock(self._device)
         self._clock.mark("start")
         b = self._batches
         if self.profile_every and b >= self._next_window and self._prof is None and b != self.flop_count_batch \
@@ -375,26 +386,34 @@ class MFUMonitor(Callback):
             self._finish_count(trainer, pl_module, total)
         if clock is not None:
             clock.mark("end")
-        fb_ms = clock.ms("start", "opt") if clock and "opt" in clock.marks else (clock.ms("start", "end") if clock else 0)
-        opt_ms = clock.ms("opt", "end") if clock and "opt" in clock.marks else 0.0
         now = time.perf_counter()
         data_ms = 1e3 * (self._t_start - self._prev_end) if self._prev_end is not None else 0.0
         self._prev_end = now
         b = self._batches
         self._batches += 1
+        in_window = self._prof is not None
         if self._prof is not None:
             self._window_data_ms.append(data_ms)
-            self._window_fb_ms.append(fb_ms)
+            self._window_fb_ms.append(clock.phases_ms()[0] if clock else 0.0)  # a sync: the window profiles anyway
             self._prof.step()
             self._prof_steps += 1
             if self._prof_steps >= 1 + self.profile_steps:
                 self._end_window(trainer, b)
-        if b == self.flop_count_batch and self.measure_flops:
-            return  # the counted step is slow by design: not a measurement
-        step_ms = data_ms + fb_ms + opt_ms
-        if self._model_per_token is None or step_ms <= 0:
-            return
-        self._record(trainer, b, batch, step_ms, data_ms, fb_ms, opt_ms)
+        if clock is not None and not (b == self.flop_count_batch and self.measure_flops):
+            # (the FLOP-counted step is slow by design: not a measurement)
+            self._unread.append((b, self._global_tokens(batch), data_ms, clock, in_window))
+        self._read_steps(trainer, keep=1 if clock is not None and clock.deferred else 0)
+
+    def _read_steps(self, trainer: Any, keep: int = 0) -> None:
+        """Record the steps whose clocks are read, leaving the newest ``keep`` (deferred GPU reads)."""
+        while len(self._unread) > keep:
+            b, tokens, data_ms, clock, in_window = self._unread.pop(0)
+            fb_ms, opt_ms = clock.phases_ms()
+            step_ms = data_ms + fb_ms + opt_ms
+            if not in_window:
+                self._plain_step_s.append(step_ms / 1e3)
+            if self._model_per_token is not None and step_ms > 0:
+                self._record(trainer, b, tokens, step_ms, data_ms, fb_ms, opt_ms)
 
     # ------------------------------------------------------------------ FLOPs
 
@@ -476,7 +495,7 @@ class MFUMonitor(Callback):
 
     def _schedule_next_window(self, trainer: Any) -> None:
         """Measure what this window cost and agree with every rank on the batch of the next one."""
-        recent = sorted(m.step_time_s for m in list(self.history)[-64:])
+        recent = sorted(self._plain_step_s or [m.step_time_s for m in list(self.history)[-64:]])
         step_s = recent[len(recent) // 2] if recent else 0.0
         cost = time.perf_counter() - self._window_t0 - (1 + self.profile_steps) * step_s
         agreed = torch.tensor([max(cost, 0.0), step_s], dtype=torch.float64)
@@ -561,10 +580,9 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ metrics
 
-    def _record(self, trainer: Any, b: int, batch: Any, step_ms: float, data_ms: float, fb_ms: float,
+    def _record(self, trainer: Any, b: int, tokens: float, step_ms: float, data_ms: float, fb_ms: float,
                 opt_ms: float) -> None:
         t = step_ms / 1e3
-        tokens = self._global_tokens(batch)
         model = self._model_per_token * tokens
         hw = model * self._hw_factor
         denom = t * self._world * self._peak
@@ -604,4 +622,5 @@ class MFUMonitor(Callback):
         if self._counting is not None:
             self._counting.__exit__(None, None, None)
             self._counting = None
+        self._read_steps(trainer)  # the last deferred GPU step
         self._flush(trainer)

@@ -101,7 +101,8 @@ def test_profile_budget_spaces_windows_alike_on_every_rank(pool, tmp_path, budge
     windows = results[0]
     assert [w["batch"] for w in windows] == ([2, 4, 6, 8, 10, 12, 14] if budget is None else [2])
     for w in windows:
-        assert w["cost_s"] > 0 and w["step_s"] > 0
+        # back-to-back windows leave no plain step to compare with: their cost may measure 0
+        assert w["step_s"] > 0 and (w["cost_s"] > 0 if budget else w["cost_s"] >= 0)
         gap = 2 if budget is None else max(2, math.ceil(w["cost_s"] / (budget * w["step_s"])))
         assert w["next_batch"] == w["batch"] + gap
     if budget is not None:

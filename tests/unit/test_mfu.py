@@ -95,3 +95,41 @@ def test_report_layer(tmp_path):
 def test_monitor_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MFUMonitor(**kwargs)
+
+
+def test_deferred_clock_reads_each_step_one_step_late(monkeypatch, tmp_path):
+    """A GPU clock is read one step late (no per-step sync). With a clock that defers on CPU, each
+    batch end has recorded every step but the newest, train end records the last one, and the
+    steps and their phase times equal what the clocks hold."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from meshkit.models import LlamaConfig, LlamaLM, synthetic_tokens
+    from meshkit.profiling import mfu as M
+
+    clocks = []
+
+    class DeferredClock(M._Clock):
+        def __init__(self, device):
+            super().__init__(device)
+            self.deferred = True
+            clocks.append(self)
+
+    class Seen(Callback):  # runs after the monitor: what it has recorded at each batch end
+        def __init__(self):
+            self.recorded = []
+
+        def on_train_batch_end(self, trainer, *args):
+            self.recorded.append([m.step for m in mon.history])
+
+    monkeypatch.setattr(M, "_Clock", DeferredClock)
+    mon, seen = MFUMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, log_every=1), Seen()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, default_root_dir=str(tmp_path),
+                        callbacks=[mon, seen], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(LlamaLM(LlamaConfig.tiny()), torch.utils.data.DataLoader(synthetic_tokens(12, 16, 256), batch_size=2))
+    assert seen.recorded == [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert [m.step for m in mon.history] == [0, 1, 2, 3, 4, 5]  # the last at train end
+    for m, clock in zip(mon.history, clocks):
+        fb, opt = clock.phases_ms()
+        assert fb > 0 and opt > 0 and m.step_time_s >= (fb + opt) / 1e3
