@@ -898,11 +898,11 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     # (one K,V shard) overlaps one of the c attention steps; in backward each hop carries K, V, dK, dV (twice
     # the bytes) behind a step of the backward (twice the FLOPs). A short chunk exposes the rest of its hop.
     cp_link = ctx.link(c * t)
-    cp_time = ring_time(cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) * layers_stage * m,
-                        2 * (c - 1) * layers_stage * m, *cp_link) if c > 1 else 0.0
+    cp_layer = cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t)
+    cp_time = ring_time(cp_layer * layers_stage * m, 2 * (c - 1) * layers_stage * m, *cp_link) if c > 1 else 0.0
     cp_exposed = 0.0
     if c > 1:
-        kv = cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t) / (3 * (c - 1))  # one shard
+        kv = cp_layer / (3 * (c - 1))  # one shard
         step_fwd = times.attention_fwd / c
         hops = (max(0.0, ring_time(kv, 1, *cp_link) - step_fwd)
                 + max(0.0, ring_time(2 * kv, 1, *cp_link) - 2 * step_fwd))

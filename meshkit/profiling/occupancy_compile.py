@@ -415,17 +415,22 @@ def _run_in_process(jobs: list[dict], objects: Mapping[int, Any], progress: bool
     failures = []
     try:
         for msg in _compile_iter(jobs, objects):
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{msg['kernel']} {msg['arch']} w{msg['num_warps']}", refresh=False)
-            if msg["ok"]:
-                yield msg["id"], KernelResources(**msg["result"])
-            else:
-                failures.append(msg["error"])
+            yield from _take(msg, bar, failures)
     finally:
         if bar is not None:
             bar.close()
     _raise_failures(failures)
+
+
+def _take(msg: dict, bar: Any, failures: list[str]):
+    """One finished compile job: advance the progress bar, yield (id, resources) or note the failure."""
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix_str(f"{msg['kernel']} {msg['arch']} w{msg['num_warps']}", refresh=False)
+    if msg["ok"]:
+        yield msg["id"], KernelResources(**msg["result"])
+    else:
+        failures.append(msg["error"])
 
 
 def _raise_failures(failures: list[str]) -> None:
@@ -477,13 +482,7 @@ def _run_pool(jobs: list[dict], progress: bool, n: int):
                                     f"{msg['missing']} job(s):\n{msg['stderr'][-3000:]}")
                 continue
             done += 1
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix_str(f"{msg['kernel']} {msg['arch']} w{msg['num_warps']}", refresh=False)
-            if msg["ok"]:
-                yield msg["id"], KernelResources(**msg["result"])
-            else:
-                failures.append(msg["error"])
+            yield from _take(msg, bar, failures)
     finally:
         if bar is not None:
             bar.close()

@@ -164,7 +164,7 @@ class _Event(msgspec.Struct, gc=False):
 
 
 _SKIP = _Event()
-_NOT_PLAIN_OP = ("gloo:", "nccl:", "PP:", "c10d::", "record_param_comms")
+_NOT_COMPUTE = ("gloo:", "nccl:", "PP:", "c10d::")
 _CAT = operator.attrgetter("cat")
 _DECODE_BATCH = msgspec.json.Decoder(list[_Event]).decode
 
@@ -211,54 +211,45 @@ class _Sink:
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs)
             elif cat == "kernel":
-                self._kernels(evs)
+                nccl, compute = [], []
+                for ev in evs:
+                    (nccl if "nccl" in ev.name.lower() else compute).append(ev)
+                _spans(nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr)
+                _spans(compute, self.kern_s, self.kern_e, self.kern_corr)
+                for ev in nccl:
+                    m = _NCCL_COLL.search(ev.name)
+                    self.comm_k_names.append(m.group(1) if m else ev.name)
             elif cat in ("gpu_memcpy", "gpu_memset"):
-                self.mem_s.extend([ev.ts for ev in evs])
-                self.mem_e.extend([ev.ts + (ev.dur or 0.0) for ev in evs])
+                _spans(evs, self.mem_s, self.mem_e)
             elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
                 evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
                 self.rt_ts.extend([ev.ts for ev in evs])
                 self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
 
     def _host(self, cat: str, evs: list[_Event]) -> None:
-        if cat == "cpu_op":  # aten ops are most of a CPU trace: plain ones in bulk
-            plain = [ev for ev in evs if isinstance(ev.tid, int) and not ev.name.startswith(_NOT_PLAIN_OP)]
-            self.cpu_s.extend([ev.ts for ev in plain])
-            self.cpu_e.extend([ev.ts + (ev.dur or 0.0) for ev in plain])
-            self.cpu_tid.extend([float(ev.tid) for ev in plain])  # type: ignore[arg-type]
-            if len(plain) == len(evs):
-                return
-            kept = {id(ev) for ev in plain}
-            evs = [ev for ev in evs if id(ev) not in kept]
-        for ev in evs:
-            ts, name = ev.ts, ev.name
-            end = ts + (ev.dur or 0.0)  # type: ignore[operator]
-            if name.startswith(("gloo:", "nccl:")):
-                self.ccomm_s.append(ts), self.ccomm_e.append(end), self.ccomm_names.append(name)
-            elif name.startswith("PP:"):
-                self.pp_s.append(ts), self.pp_e.append(end)
-            elif cat == "cpu_op":
-                if not name.startswith("c10d::") and name != "record_param_comms":
-                    self.cpu_s.append(ts), self.cpu_e.append(end)
-                    self.cpu_tid.append(float(ev.tid) if isinstance(ev.tid, int) else -1.0)
-            elif cat == "user_annotation" and name.startswith("ProfilerStep#"):
-                try:
-                    self.steps.append((int(name[13:]), ts, end, ev.tid))
-                except ValueError:
-                    pass
+        for ev in evs:  # comm and pipeline spans: few
+            if ev.name.startswith(("gloo:", "nccl:")):
+                self.ccomm_s.append(ev.ts), self.ccomm_e.append(ev.ts + (ev.dur or 0.0))
+                self.ccomm_names.append(ev.name)
+            elif ev.name.startswith("PP:"):
+                self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
+        if cat == "cpu_op":  # compute: every aten op but comm spans and c10d's enqueue/wait ops
+            ops = [ev for ev in evs if not ev.name.startswith(_NOT_COMPUTE) and ev.name != "record_param_comms"]
+            _spans(ops, self.cpu_s, self.cpu_e)
+            self.cpu_tid.extend([float(ev.tid) if isinstance(ev.tid, int) else -1.0 for ev in ops])
+        elif cat == "user_annotation":
+            for ev in evs:
+                if ev.name.startswith("ProfilerStep#") and ev.name[13:].isdigit():
+                    self.steps.append((int(ev.name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
 
-    def _kernels(self, evs: list[_Event]) -> None:
-        nccl = [ev for ev in evs if "nccl" in ev.name.lower()]
-        for ev_list, s, e, c in ((nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr),
-                                 ([ev for ev in evs if "nccl" not in ev.name.lower()] if nccl else evs,
-                                  self.kern_s, self.kern_e, self.kern_corr)):
-            s.extend([ev.ts for ev in ev_list])
-            e.extend([ev.ts + (ev.dur or 0.0) for ev in ev_list])
-            c.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
-                      for ev in ev_list])
-        for ev in nccl:
-            m = _NCCL_COLL.search(ev.name)
-            self.comm_k_names.append(m.group(1) if m else ev.name)
+
+def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
+    """Append the events' [start, end) (and CUDA correlation ids, -1 where absent)."""
+    starts.extend([ev.ts for ev in evs])  # type: ignore[misc]
+    ends.extend([ev.ts + (ev.dur or 0.0) for ev in evs])  # type: ignore[operator]
+    if corr is not None:
+        corr.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
+                     for ev in evs])
 
 
 # ---------------------------------------------------------------------------- streaming parse
