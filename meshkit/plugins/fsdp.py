@@ -77,8 +77,8 @@ def apply_fsdp(
 def apply_fsdp_stages(views: list[nn.Module], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """Pipeline stages: ``fully_shard`` each stage view's blocks, then the view itself as root.
 
-    ``reshard_after_forward=False``: a stage runs forward several times before backward. A block
-    shared by several views (they share one rank module) is sharded once.
+    ``reshard_after_forward=False``: a stage runs forward several times before backward. The views
+    share one rank module (each block sits in one view); a block already sharded is not sharded again.
     """
     kwargs = _shard_kwargs(mesh, mp_policy, reshard_after_forward=False)
     for view in views:
