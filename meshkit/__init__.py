@@ -11,12 +11,14 @@
 from meshkit.plugins import (
     PRESETS,
     NDParallelStrategy,
+    ParallelConfig,
     ParallelDims,
     apply_context_parallel,
     context_parallel_attention,
     register_presets,
     shard_batch,
 )
+from meshkit.plugins.parallelize import parallelize
 from meshkit.plugins.pipeline import SCHEDULES, build_pipeline, pipeline_eval, pipeline_step, read_timeline
 from meshkit.plugins.planner import ModelSpec, plan, plan_for_world
 from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
@@ -26,6 +28,8 @@ __version__ = "0.1.0"
 __all__ = [
     "NDParallelStrategy",
     "ParallelDims",
+    "ParallelConfig",
+    "parallelize",
     "PRESETS",
     "apply_context_parallel",
     "context_parallel_attention",

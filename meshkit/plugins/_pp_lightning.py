@@ -2,13 +2,15 @@
 
 The strategy calls four hooks; everything pipeline-specific lives here:
 
-- ``parallelize``: find the layer-stack model in the LightningModule (``self.model`` or any direct
-  child :func:`~meshkit.plugins.pipeline.find_layer_stack` accepts), replace it by this rank's
+- ``parallelize``: :func:`meshkit.plugins.parallelize.parallelize` (the one order) with a ``split``
+  hook that finds the layer-stack model in the LightningModule (``self.model`` or any direct
+  child :func:`~meshkit.plugins.pipeline.find_layer_stack` accepts) and replaces it by this rank's
   *rank module* (a copy holding only this rank's blocks, plus the embedding / norm / head where
   this rank has the first / last stage; full-model FQNs, so optimizers, ``state_dict`` and DCP
-  checkpoints see ``model.layers.5...`` at any pp), apply TP and activation checkpointing to it,
-  then build one *stage view* per local stage (sharing its blocks) and ``fully_shard`` each view
-  (``reshard_after_forward=False``: a stage runs forward several times before backward).
+  checkpoints see ``model.layers.5...`` at any pp). TP, activation checkpointing and compile then
+  go over the rank module, and ``fully_shard`` over one *stage view* per local stage (sharing its
+  blocks; ``reshard_after_forward=False``: a stage runs forward several times before backward).
+  The pp × cp refusal runs before the process group (:func:`meshkit.plugins.presets.resolve_layout`).
 - ``training_step``: splits the batch into ``(inputs, labels)``, runs
   :func:`~meshkit.plugins.pipeline.pipeline_step` (forward + backward of every micro-batch), logs
   ``train_loss`` (mean over micro-batches, the same on every rank) and returns it; the strategy's
@@ -26,13 +28,16 @@ batches are split by ``pipeline_batch(self, batch) -> (inputs, labels)`` if defi
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshkit.plugins import fsdp as _fsdp
+from meshkit.plugins.dims import ParallelDims
+from meshkit.plugins.parallelize import ParallelConfig, parallelize
 from meshkit.plugins.pipeline import (
     Pipeline,
     build_rank_module,
@@ -84,13 +89,15 @@ class PipelineHooks:
         self._pipes: dict[int, Pipeline] = {}
 
     # ---- setup --------------------------------------------------------------------------------
-    def parallelize(self, strategy: Any, lm: nn.Module) -> nn.Module:
-        dims = strategy.parallel_dims
-        if dims.cp_enabled:
-            raise ValueError(
-                f"NDParallelStrategy: `pp={dims.pp}` with `cp={dims.cp}` is not supported yet: the pipeline stages do not "
-                "shard sequences. Use cp=1 with pp, or pp=1 with cp."
-            )
+    def parallelize(self, lm: nn.Module, dims: ParallelDims, config: ParallelConfig, device: torch.device) -> nn.Module:
+        """:func:`~meshkit.plugins.parallelize.parallelize` of ``lm`` with this rank's stages cut out first."""
+        self.device = device
+        parallelize(lm, dims, config, split=functools.partial(self._split, dims))
+        self.active = True
+        return lm
+
+    def _split(self, dims: ParallelDims, lm: nn.Module) -> tuple[nn.Module, Callable[[], list[nn.Module]]]:
+        """Put this rank's rank module in place of ``lm``'s model; return it and its stage views' builder."""
         attr, model = _find_model(lm)
         self.group = dims.mesh["pp"].get_group()
         pp, pp_rank = dims.pp, dims.mesh["pp"].get_local_rank()
@@ -101,37 +108,13 @@ class PipelineHooks:
         stack, points = plan_split(model, self.num_stages, self.split_points)
         rank_module = build_rank_module(model, stack, self.stage_ids, self.num_stages, points)
         setattr(lm, attr, rank_module)
-        # torchtitan's order, on this rank's blocks only: TP -> AC -> compile -> FSDP per stage.
-        if dims.tp_enabled:
-            from meshkit.plugins.tensor_parallel import apply_tp, infer_tp_plan
-
-            plan = infer_tp_plan(
-                rank_module, user_plan=strategy._tp_plan, sequence_parallel=strategy._sequence_parallel,
-                loss_parallel=strategy._loss_parallel,
-            )
-            apply_tp(rank_module, dims.mesh["tp"], plan)
-        blocks = _fsdp.find_blocks(rank_module)
-        _fsdp.apply_ac(blocks, strategy._ac)
-        if strategy._compile:
-            _fsdp.apply_compile(blocks)
-        self.views = [stage_view(rank_module, stack, s, self.num_stages, points) for s in self.stage_ids]
-        # Always FSDP under pp (a size-1 dp mesh included): Lightning's DCP checkpointing needs DTensor parameters.
-        if True:
-            from torch.distributed.fsdp import fully_shard
-
-            mp = _fsdp.mixed_precision_policy(getattr(strategy.precision_plugin, "precision", "32-true"))
-            kwargs: dict[str, Any] = {"mesh": dims.fsdp_mesh(), "reshard_after_forward": False}
-            if mp is not None:
-                kwargs["mp_policy"] = mp
-            for view in self.views:  # each block, then the stage (its embedding / norm / head) as root
-                for _, block in _fsdp.find_blocks(view):
-                    if not hasattr(block, "unshard"):  # a block is shared by one view only; shard it once
-                        fully_shard(block, **kwargs)
-                fully_shard(view, **kwargs)
         self.split_points_used = points
-        self.device = strategy.root_device
-        self.active = True
-        return lm
+
+        def views() -> list[nn.Module]:  # after TP / AC / compile: the views share the rank module's blocks
+            self.views = [stage_view(rank_module, stack, s, self.num_stages, points) for s in self.stage_ids]
+            return self.views
+
+        return rank_module, views
 
     def _pipe(self, lm: Any, batch_size: int, train: bool) -> Pipeline:
         key = batch_size if train else -batch_size
@@ -227,41 +210,3 @@ def _find_model(lm: nn.Module) -> tuple[str, nn.Module]:
         f"NDParallelStrategy(pp>1): no direct child of {type(lm).__name__} is a layer-stack model meshkit can split. "
         + (" | ".join(errors) if errors else "It has no child modules.")
     )
-
-
-# ---- checkpoints: optimizer state keyed by parameter FQN, so any pp (or none) can load it -----------------
-
-
-def flat_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """DCP optimizer state with ``flatten_optimizer_state_dict=True``: every entry, param-group settings
-    included, keyed by the parameter's FQN, so ranks holding different stages save disjoint keys and
-    a checkpoint saved at one pp size loads at another (torchtitan does the same)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-    return get_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), options=opts)
-
-
-def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dict[str, Any]:
-    """Lightning's sharded-checkpoint load with flattened optimizer states (see :func:`flat_optimizer_state`)."""
-    from pathlib import Path
-
-    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    path = Path(strategy.broadcast(path))
-    module = strategy.model
-    model_state = {"state_dict": get_model_state_dict(module)}
-    _distributed_checkpoint_load(model_state, path)
-    module.load_state_dict(model_state["state_dict"], strict=strategy.lightning_module.strict_loading)
-    opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-    for idx, optimizer in enumerate(strategy.optimizers):
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        optim_state = {f"optimizer_{idx}": flat_optimizer_state(module, optimizer)}
-        _distributed_checkpoint_load(optim_state, path)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[f"optimizer_{idx}"], options=opts)
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)

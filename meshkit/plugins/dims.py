@@ -193,11 +193,3 @@ class ParallelDims:
             warnings.simplefilter("ignore", UserWarning)
             return mesh[("dp_replicate", "dp_shard_cp")]
 
-
-def auto_tp(devices_per_node: int, heads: int | None, kv_heads: int | None, hidden: int | None, cap: int) -> int:
-    """The largest tp ≤ ``cap`` that divides ``devices_per_node`` and the model's heads, kv heads and hidden."""
-    best = 1
-    for d in range(1, min(cap, devices_per_node) + 1):
-        if devices_per_node % d == 0 and all(v is None or v % d == 0 for v in (heads, kv_heads, hidden)):
-            best = d
-    return best

@@ -1,8 +1,8 @@
-"""FSDP2 (``fully_shard``) per block, mixed precision, activation checkpointing and per-block compile.
+"""FSDP2 (``fully_shard``) per block and root, the blocks it shards, mixed precision, gradient clipping.
 
-Order (torchtitan's): TP plan -> activation checkpointing -> per-block compile -> ``fully_shard``
-per block, then the root. Each step keeps module and parameter names unchanged, so checkpoints
-load across layouts and settings.
+:func:`meshkit.plugins.parallelize.parallelize` calls ``fully_shard`` last, after TP, CP,
+activation checkpointing and compile. Each step keeps module and parameter names unchanged, so
+checkpoints load across layouts and settings.
 
 Example::
 
@@ -14,19 +14,15 @@ Example::
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = [
-    "find_blocks", "apply_ac", "apply_compile", "apply_fsdp", "mixed_precision_policy", "clip_grad_norm_", "ACMode"
-]
+__all__ = ["find_blocks", "apply_fsdp", "apply_fsdp_stages", "mixed_precision_policy", "clip_grad_norm_"]
 
-ACMode = Literal["none", "full", "selective"]
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
 
@@ -54,52 +50,6 @@ def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy | None:
     return None
 
 
-def _selective_policy() -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    save = {
-        torch.ops.aten.mm.default,
-        torch.ops.aten.addmm.default,
-        torch.ops.aten.bmm.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    }
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        # Keep matmul and attention outputs; recompute the cheap elementwise / norm ops.
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-def _checkpointed_forward(original: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    extra: dict[str, Any] = {}
-    if mode == "selective":
-        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
-    return checkpoint(original, *args, use_reentrant=False, **extra, **kwargs)
-
-
-def apply_ac(blocks: list[tuple[str, nn.Module]], mode: ACMode) -> None:
-    """Activation checkpointing of each block (in place, names unchanged): ``full`` or ``selective`` (op-level)."""
-    if mode not in ("none", "full", "selective"):
-        raise ValueError(
-            f"NDParallelStrategy: `activation_checkpointing={mode!r}` must be 'none', 'full' or 'selective'."
-        )
-    if mode == "none":
-        return
-    for _, block in blocks:
-        block.forward = functools.partial(_checkpointed_forward, block.forward, mode)  # type: ignore[method-assign]
-
-
-def apply_compile(blocks: list[tuple[str, nn.Module]]) -> None:
-    """``torch.compile`` each block in place (``nn.Module.compile`` keeps parameter names)."""
-    for _, block in blocks:
-        block.compile()
-
-
 def apply_fsdp(
     model: nn.Module,
     blocks: list[tuple[str, nn.Module]],
@@ -109,9 +59,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
 ) -> None:
     """``fully_shard`` each block, then each direct child of ``model`` holding parameters (the roots)."""
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+    kwargs = _shard_kwargs(mesh, mp_policy, reshard_after_forward)
     for _, block in blocks:
         fully_shard(block, **kwargs)
     if any(True for _ in model.parameters(recurse=False)):
@@ -124,6 +72,27 @@ def apply_fsdp(
         if not isinstance(child, FSDPModule) and any(p.requires_grad for p in child.parameters()):
             # The root's last all-gather need not be resharded: backward starts with it.
             fully_shard(child, **{**kwargs, "reshard_after_forward": False})
+
+
+def apply_fsdp_stages(views: list[nn.Module], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """Pipeline stages: ``fully_shard`` each stage view's blocks, then the view itself as root.
+
+    ``reshard_after_forward=False``: a stage runs forward several times before backward. The views
+    share one rank module (each block sits in one view); a block already sharded is not sharded again.
+    """
+    kwargs = _shard_kwargs(mesh, mp_policy, reshard_after_forward=False)
+    for view in views:
+        for _, block in find_blocks(view):
+            if not isinstance(block, FSDPModule):
+                fully_shard(block, **kwargs)
+        fully_shard(view, **kwargs)
+
+
+def _shard_kwargs(mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, reshard_after_forward: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
 
 
 @torch.no_grad()

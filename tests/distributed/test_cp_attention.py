@@ -289,7 +289,7 @@ def test_cp_preset_matches_one_process(pool, case):
 def test_cp_presets_resolve_and_validate():
     import meshkit
     from meshkit.models.llama import LlamaConfig, LlamaLM
-    from meshkit.plugins.strategy import PRESETS, resolve_dims
+    from meshkit.plugins.presets import PRESETS, resolve_dims
 
     auto = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
     # 2 nodes of 4: cp takes 2 of a node, tp the other 2, HSDP replicates across the nodes.

@@ -13,7 +13,7 @@ import meshkit
 from meshkit.models import LlamaConfig, Transformer
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import find_blocks, mixed_precision_policy
-from meshkit.plugins.strategy import PRESETS, resolve_dims
+from meshkit.plugins.presets import PRESETS, resolve_dims
 from meshkit.plugins.tensor_parallel import infer_tp_plan, model_shape
 
 AUTO = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
@@ -200,3 +200,43 @@ def test_presets_registered_with_lightning():
     for name in ("fsdp2", "hsdp", "tp", "hsdp_tp"):
         assert StrategyRegistry[name]["strategy"] is meshkit.NDParallelStrategy
         assert StrategyRegistry[name]["init_params"] == {"preset": name}
+
+
+# ---- every collective-free check, before any process group -------------------------------------------------
+
+
+def test_pp_with_cp_is_refused_before_any_process_group():
+    from meshkit.plugins.parallelize import ParallelConfig
+    from meshkit.plugins.presets import resolve_layout
+
+    with pytest.raises(ValueError, match=r"`pp=2` with `cp=2` is not supported yet.*Use cp=1 with pp, or pp=1 with cp"):
+        resolve_layout(PRESETS["pp"], {**AUTO, "cp": 2}, ParallelConfig(), world_size=4, num_nodes=1,
+                       model=Transformer(LlamaConfig.tiny()))
+    assert not torch.distributed.is_initialized()
+
+
+def test_layout_checks_precision_batch_and_ulysses_heads():
+    from meshkit.plugins.parallelize import ParallelConfig
+    from meshkit.plugins.presets import resolve_layout
+
+    with pytest.raises(ValueError, match=r"`precision='16-mixed'` is not supported"):
+        resolve_layout(PRESETS["fsdp2"], AUTO, ParallelConfig(precision="16-mixed"), world_size=4, num_nodes=1)
+    with pytest.raises(ValueError, match=r"`global_batch_size=6` is not divisible by the data-parallel size"):
+        resolve_layout(PRESETS["fsdp2"], AUTO, ParallelConfig(global_batch_size=6), world_size=4, num_nodes=1)
+    model = Transformer(LlamaConfig.tiny(dim=48, n_heads=6, n_kv_heads=6))
+    with pytest.raises(ValueError, match=r"`cp_attention='ulysses'` with `cp=4` and `tp=1` needs the heads per TP rank \(6\)"):
+        resolve_layout(PRESETS["cp"], AUTO, ParallelConfig(cp_attention="ulysses"), world_size=4, num_nodes=1,
+                       model=model)
+    dims = resolve_layout(PRESETS["hsdp_tp"], AUTO, ParallelConfig(global_batch_size=8), world_size=8, num_nodes=2)
+    assert dims.degrees == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 2}
+    assert not torch.distributed.is_initialized()
+
+
+def test_parallel_config_rejects_bad_settings():
+    from meshkit.plugins.parallelize import ParallelConfig
+
+    with pytest.raises(ValueError, match="`activation_checkpointing='some'` must be 'none', 'full' or 'selective'"):
+        ParallelConfig(activation_checkpointing="some")
+    with pytest.raises(ValueError, match=r"`cp_attention='tree'` must be one of"):
+        ParallelConfig(cp_attention="tree")
+    assert ParallelConfig(precision="bf16-mixed").mp_policy.param_dtype == torch.bfloat16
