@@ -200,6 +200,18 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _save(ctx: Any, q, k, v, out, lse, group: ProcessGroup, causal: bool, layout: str, scale: float) -> torch.Tensor:
+    """Keep what a variant's backward needs (local q, k, v, the merged out and lse); return out in q's dtype."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
+    return out.to(q.dtype)
+
+
+def _restore(ctx: Any) -> tuple:
+    """(q, k, v, out, lse, group, rank, cp) saved by :func:`_save`."""
+    return (*ctx.saved_tensors, ctx.group, dist.get_rank(ctx.group), dist.get_world_size(ctx.group))
+
+
 # ---- communication --------------------------------------------------------------------------------------
 def _wait(works: list[Any]) -> None:
     for w in works:
@@ -258,15 +270,11 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(works)
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
-        return out.to(q.dtype)
+        return _save(ctx, q, k, v, out, lse, group, causal, layout, scale)
 
     @staticmethod
     def backward(ctx: Any, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        q, k, v, out, lse, group, rank, cp = _restore(ctx)
         t_loc = q.shape[2]
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
@@ -347,15 +355,11 @@ class AllGatherAttention(torch.autograd.Function):
                 out[:, :, qs], lse[:, :, qs] = o, l
                 done.add(qs.start)
         # The gathered K/V are not kept: backward gathers again, so saved memory stays 1/cp.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
-        return out.to(q.dtype)
+        return _save(ctx, q, k, v, out, lse, group, causal, layout, scale)
 
     @staticmethod
     def backward(ctx: Any, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        q, k, v, out, lse, group, rank, cp = _restore(ctx)
         kv = _gather_kv(k, v, group, ctx.layout)
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q.dtype), device=q.device)
