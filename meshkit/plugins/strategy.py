@@ -283,11 +283,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     # ---- context parallelism --------------------------------------------------------------------
-    def _check_cp(self, dims: ParallelDims) -> None:
-        """The Ulysses head check for ``dims`` (kept for callers; the check lives in ``resolve_layout``)."""
-        resolve_layout(self.preset, dims.degrees, self.parallel_config, world_size=dims.world_size, num_nodes=1,
-                       model=self.lightning_module)
-
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``."""
