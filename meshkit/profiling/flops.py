@@ -2,13 +2,13 @@
 
 Three questions, three small parts:
 
-1. *What can this device do?* :func:`peak_flops` reads a table of **dense** (not 2:4-sparse)
-   tensor-core peaks per GPU model and dtype, one datasheet per row, and matches real device
-   strings (``torch.cuda.get_device_name()``) to it. On CPU it measures a matmul peak once and
+1. *What can this device do?* :func:`peak_flops` reads the **dense** (not 2:4-sparse)
+   tensor-core peaks per GPU model and dtype of meshkit's GPU catalog (:mod:`meshkit.hardware`,
+   one datasheet per row) and matches real device strings (``torch.cuda.get_device_name()``) to it. On CPU it measures a matmul peak once and
    caches it (labelled ``"measured"``). Users can override any of it.
 2. *How much work is the model?* :func:`model_flops_per_token` gives PaLM's
-   ``6N + 12·L·H·Q·T`` from a meshkit ``LlamaConfig``, a Hugging Face config or torchtitan-style
-   args.
+   ``6N + 12·L·H·Q·T`` from anything :func:`meshkit.modelspec.read_shape` reads (a meshkit
+   ``LlamaConfig``, a Hugging Face config or model, torchtitan-style args).
 3. *How much work did a step really do?* :func:`measure_step_flops` runs forward and backward
    under :class:`torch.utils.flop_counter.FlopCounterMode` on meta tensors, so activation
    recompute is counted (hardware FLOPs, for HFU) next to the model FLOPs (for MFU).
@@ -36,8 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from meshkit import hardware
-from meshkit.hardware import CATALOG, Gpu, find_gpu, normalize_dtype, normalize_name, register_gpu
+from meshkit.hardware import CATALOG, Gpu, find_gpu, normalize_dtype, normalize_name, register_gpu, rows
 from meshkit.modelspec import TransformerShape, read_shape
 
 __all__ = [
@@ -112,7 +111,7 @@ def peak_info(device_name: str, dtype: Any = "bf16", *, override: float | None =
         return PeakInfo(measured_cpu_peak(key), "cpu", key, "measured", "matmul calibration on this host")
     row = find_gpu(device_name, has=("peaks",))
     if row is None:
-        known = ", ".join(r.name for r in hardware.rows(has=("peaks",)))
+        known = ", ".join(r.name for r in rows(has=("peaks",)))
         raise ValueError(
             f"peak_flops: `device_name={device_name!r}` matches no row of the peak table (known: {known}). "
             "Pass `override=<FLOP/s>`, set MESHKIT_PEAK_FLOPS, or add a row with register_peak()."
