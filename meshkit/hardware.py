@@ -277,7 +277,7 @@ def register_gpu(name: str, *, patterns: tuple[str, ...] = (), peaks: Mapping[st
     >>> find_gpu("Acme MyChip v2") is row
     True
     """
-    unknown = set(facts) - {f for f in Gpu.__dataclass_fields__} - {"name", "patterns", "peaks", "source"}
+    unknown = set(facts) - set(Gpu.__dataclass_fields__)
     if unknown or not isinstance(name, str) or not name.strip():
         raise ValueError(
             f"register_gpu: `name={name!r}` must be a non-empty string and the facts must be Gpu fields "
