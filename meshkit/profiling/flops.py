@@ -4,8 +4,9 @@ Three questions, three small parts:
 
 1. *What can this device do?* :func:`peak_flops` reads the **dense** (not 2:4-sparse)
    tensor-core peaks per GPU model and dtype of meshkit's GPU catalog (:mod:`meshkit.hardware`,
-   one datasheet per row) and matches real device strings (``torch.cuda.get_device_name()``) to it. On CPU it measures a matmul peak once and
-   caches it (labelled ``"measured"``). Users can override any of it.
+   one datasheet per row) and matches real device strings (``torch.cuda.get_device_name()``) to
+   it. On CPU it measures a matmul peak once and caches it (labelled ``"measured"``). Users can
+   override any of it.
 2. *How much work is the model?* :func:`model_flops_per_token` gives PaLM's
    ``6N + 12·L·H·Q·T`` from anything :func:`meshkit.modelspec.read_shape` reads (a meshkit
    ``LlamaConfig``, a Hugging Face config or model, torchtitan-style args).

@@ -36,7 +36,8 @@ def test_one_row_per_device_holds_every_fact(device, name, bf16, memory_gb, hbm,
 
 def test_old_table_names_resolve_through_the_one_matcher():
     # the planner's keys and occupancy's model names are names of catalog rows
-    for old, new in {"h100-sxm": "H100-SXM", "h100-pcie": "H100-PCIe", "h200": "H200-SXM", "a100-40gb": "A100-SXM4-40GB",
+    for old, new in {"h100-sxm": "H100-SXM", "h100-pcie": "H100-PCIe", "h200": "H200-SXM",
+                     "a100-40gb": "A100-SXM4-40GB",
                      "a100-80gb": "A100-SXM4-80GB", "mi300x": "MI300X", "l40s": "L40S", "b200": "B200",
                      "A100": "A100-SXM4-80GB", "A100-SXM": "A100-SXM4-80GB", "A100-PCIE": "A100-PCIe-80GB",
                      "H100": "H100-SXM", "H200": "H200-SXM", "A10": "A10", "A30": "A30", "L4": "L4"}.items():

@@ -42,7 +42,8 @@ def test_torchtitan_args_everywhere():
     assert llama_ffn(4096, 1024, 1.3) == 14336
     # ModelSpec.from_config used to raise AttributeError: 'TitanArgs' object has no attribute 'ffn_dim'
     spec = ModelSpec.from_config(args)
-    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab) == (32, 4096, 32, 8, 14336, 128256)
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab) == (
+        32, 4096, 32, 8, 14336, 128256)
     assert spec.total_params == 8_030_261_248  # the published Llama-3-8B count
     assert model_shape(args).n_layers == 32
     holder = torch.nn.Module()
