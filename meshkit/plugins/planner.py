@@ -33,9 +33,11 @@ import functools
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
+from meshkit.modelspec import read_shape
 
 __all__ = [
     # inputs
@@ -183,8 +185,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, params: float | None = None) -> "ModelSpec":
-        """From a meshkit ``LlamaConfig``, a Hugging Face config (Llama-style fields), a module with ``.config``
-        or containing one (a LightningModule around an HF model), or a ``ModelSpec`` (returned as is).
+        """From anything :func:`meshkit.modelspec.read_shape` reads (a meshkit ``LlamaConfig``, a Hugging Face
+        config, torchtitan-style args, a module with ``.config`` or containing one, e.g. a LightningModule
+        around an HF model), or a ``ModelSpec`` (returned as is).
 
         Example::
 
@@ -194,28 +197,16 @@ class ModelSpec:
         """
         if isinstance(config, ModelSpec):
             return config
-        if hasattr(config, "n_layers") and hasattr(config, "dim"):  # meshkit LlamaConfig
-            return cls(layers=config.n_layers, hidden=config.dim, heads=config.n_heads, kv_heads=config.n_kv_heads,
-                       ffn=config.ffn_dim, vocab=config.vocab_size, params=params)
-        if hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):  # Hugging Face
-            heads = config.num_attention_heads
-            return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
-                       kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                       ffn=getattr(config, "intermediate_size", None), vocab=config.vocab_size, params=params,
-                       tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-        inner = getattr(config, "config", None)
-        if inner is not None and inner is not config and not isinstance(inner, dict):
-            return cls.from_config(inner, params)
-        if callable(getattr(config, "modules", None)):  # an nn.Module wrapping a configured model
-            for module in config.modules():
-                cfg = getattr(module, "config", None)
-                if cfg is not None and module is not config and not isinstance(cfg, dict):
-                    return cls.from_config(cfg, params)
-        raise ValueError(
-            f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
-            "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
-            "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
-        )
+        try:
+            shape = read_shape(config)
+        except ValueError as exc:
+            raise ValueError(
+                f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
+                "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
+                "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
+            ) from exc
+        return cls(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
+                   ffn=shape.ffn, vocab=shape.vocab, params=params, tied_embeddings=shape.tied_embeddings)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -246,47 +237,34 @@ class GpuSpec:
     """Regexes on the upper-cased, space-separated device string (e.g. torch.cuda.get_device_name())."""
 
 
-# Memory and its bandwidth: vendor datasheets (H100 SXM 3.35 TB/s, PCIe 2.0; H200 4.8; A100 40 GB 1.555,
-# 80 GB 2.039; B200 8; MI300X 5.3; L40S 0.864). Links: NVLink per-direction (half the bidirectional
-# figure NVIDIA quotes: NVLink4 900 GB/s -> 450, NVLink3 600 -> 300, NVLink5 1.8 TB/s -> 900), PCIe Gen5 x16 ~ 64 GB/s,
-# Infinity Fabric 7 x 64 GB/s on MI300X; inter-node one 400 Gb/s NIC per GPU (ConnectX-7) -> 50 GB/s,
-# 200 Gb/s HDR on A100 pods -> 25 GB/s. The CPU row is a nominal gloo rank (shared memory in a node,
-# 10 GbE between nodes, a 20 GB/s share of DDR); its memory is taken from the host when planning for a CPU world.
-GPU_TABLE: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("h100-pcie", 80, 2000, 64, 50, "NVIDIA H100 PCIe", (r"\bH100\b.*\bPCIE\b",)),
-        GpuSpec("h100-sxm", 80, 3350, 450, 50, "NVIDIA H100 SXM", (r"\bH100\b", r"\bH800\b")),
-        GpuSpec("h200", 141, 4800, 450, 50, "NVIDIA H200", (r"\bH200\b",)),
-        GpuSpec("a100-40gb", 40, 1555, 300, 25, "NVIDIA A100-SXM4-40GB", (r"\bA100\b.*\b40GB\b",)),
-        GpuSpec("a100-80gb", 80, 2039, 300, 25, "NVIDIA A100-SXM4-80GB", (r"\bA100\b",)),
-        GpuSpec("b200", 180, 8000, 900, 50, "NVIDIA B200", (r"\bB200\b",)),
-        GpuSpec("mi300x", 192, 5300, 448, 50, "AMD Instinct MI300X", (r"\bMI300X\b",)),
-        GpuSpec("l40s", 48, 864, 32, 25, "NVIDIA L40S", (r"\bL40S\b",)),
-        GpuSpec("cpu", 16, 20, 10, 1.25, "cpu", (r"\bCPU\b",)),
-    )
-}
+def _gpu_spec(row: Gpu) -> GpuSpec:
+    return GpuSpec(row.key, row.memory_gb, row.hbm_bw_gbs, row.intra_bw_gbs, row.inter_bw_gbs, row.name,
+                   row.patterns)
+
+
+_PLANNER_FACTS = ("memory_gb", "hbm_bw_gbs", "intra_bw_gbs", "inter_bw_gbs")
+
+GPU_TABLE: dict[str, GpuSpec] = {row.key: _gpu_spec(row) for row in CATALOG if all(
+    getattr(row, f) is not None for f in _PLANNER_FACTS)}
+"""The rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that know memory and links, by key."""
 
 
 def gpu_spec(name: str) -> GpuSpec:
-    """Look up a GPU by table key (``"h100-sxm"``) or by a device string (``"NVIDIA H100 80GB HBM3"``).
+    """Look up a GPU by table key (``"h100-sxm"``) or by a device string (``"NVIDIA H100 80GB HBM3"``),
+    with the catalog's matcher (:func:`meshkit.hardware.find_gpu`; rows added by ``register_gpu`` included).
 
     Example::
 
         >>> gpu_spec("NVIDIA H100 80GB HBM3").name, gpu_spec("h200").memory_gb
         ('h100-sxm', 141)
     """
-    key = str(name).strip().lower()
-    if key in GPU_TABLE:
-        return GPU_TABLE[key]
-    norm = " ".join(re.sub(r"[^A-Z0-9]+", " ", str(name).upper()).split())
-    for spec in GPU_TABLE.values():
-        if any(re.search(p, norm) for p in spec.patterns):
-            return spec
-    raise ValueError(
-        f"gpu_spec: `gpu={name!r}` is not in the planner's GPU table ({', '.join(GPU_TABLE)}). "
-        "Use one of those names, or pass memory_gb=, intra_bw_gbs=, inter_bw_gbs= and peak_tflops= explicitly."
-    )
+    row = find_gpu(str(name), has=_PLANNER_FACTS)
+    if row is None:
+        raise ValueError(
+            f"gpu_spec: `gpu={name!r}` is not in the planner's GPU table ({', '.join(GPU_TABLE)}). "
+            "Use one of those names, or pass memory_gb=, intra_bw_gbs=, inter_bw_gbs= and peak_tflops= explicitly."
+        )
+    return _gpu_spec(row)
 
 
 def _peak_flops(spec: GpuSpec | None, device: str, dtype: str) -> float:
@@ -568,9 +546,9 @@ def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq
     return 6 * matmul_params + 12 * layers * hidden * seq
 
 
-# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: about the H100 SXM's 295 (989.4 TFLOP/s over
-# 3.35 TB/s); recent accelerators sit between ~150 (A100, MI250X) and ~400 (L4, L40S).
-DEFAULT_RIDGE = 300.0
+# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: the H100 SXM's 295 (989.4 TFLOP/s over
+# 3.35 TB/s) rounded to 300; recent accelerators sit between ~150 (A100, MI250X) and ~400 (L4, L40S).
+DEFAULT_RIDGE = float(round(gpu("h100-sxm").ridge("bf16"), -2))
 
 
 def roofline_efficiency(ridge: float, *dims: float) -> float:
@@ -1289,8 +1267,10 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
         4
     """
     if seq_len is None:
-        cfg = _find_config(model)
-        seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
+        try:
+            seq_len = read_shape(model).max_seq_len
+        except ValueError:
+            seq_len = None
         if seq_len is None:
             raise ValueError(
                 "auto_nd_dims: the model's config has no `max_seq_len` / `max_position_embeddings`; "
@@ -1307,19 +1287,6 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
                             zero_stage=zero, sequence_parallel=sequence_parallel,
                             activation_checkpointing=activation_checkpointing, log=log, **kwargs)
     return layout.to_parallel_dims()
-
-
-def _find_config(model: Any) -> Any:
-    if hasattr(model, "max_seq_len") or hasattr(model, "max_position_embeddings"):
-        return model
-    inner = getattr(model, "config", None)
-    if inner is not None and inner is not model:
-        return _find_config(inner)
-    for module in getattr(model, "modules", lambda: ())():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and module is not model:
-            return cfg
-    return None
 
 
 # ============================================================================ CLI

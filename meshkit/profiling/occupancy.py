@@ -32,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from meshkit.hardware import CATALOG, Gpu, find_gpu
+
 __all__ = [
     "ARCHS",
     "GPUS",
@@ -130,7 +132,7 @@ ARCHS: dict[str, ArchSpec] = {
 
 @dataclass(frozen=True)
 class GpuModel:
-    """A GPU product: its architecture and SM count."""
+    """A GPU product: its architecture and SM count (a view of a :class:`meshkit.hardware.Gpu` row)."""
 
     name: str
     arch: str
@@ -138,24 +140,14 @@ class GpuModel:
     source: str
 
 
-_SRC_A100 = "NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020): 108 SMs"
-_SRC_H100 = "NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022): SXM5 132 SMs, PCIe 114 SMs"
+def _model(row: Gpu) -> GpuModel:
+    return GpuModel(row.name, row.arch, row.sms, row.sm_source)
 
-GPUS: dict[str, GpuModel] = {g.name: g for g in (
-    GpuModel("A100", "sm_80", 108, _SRC_A100),
-    GpuModel("A30", "sm_80", 56, "NVIDIA A30 datasheet: 3584 FP32 cores / 64 per SM = 56 SMs"),
-    GpuModel("A10", "sm_86", 72, "NVIDIA A10 datasheet: 72 RT cores, one per SM (9216 FP32 cores / 128)"),
-    GpuModel("A40", "sm_86", 84, "NVIDIA A40 datasheet: 84 RT cores, one per SM (10752 FP32 cores / 128)"),
-    GpuModel("L4", "sm_89", 58, "NVIDIA L4 datasheet: 7424 CUDA cores / 128 per SM = 58 SMs"),
-    GpuModel("L40S", "sm_89", 142, "NVIDIA L40S datasheet: 18176 CUDA cores / 128 per SM = 142 SMs"),
-    GpuModel("H100-SXM", "sm_90", 132, _SRC_H100),
-    GpuModel("H100-PCIe", "sm_90", 114, _SRC_H100),
-    GpuModel("H200", "sm_90", 132, "NVIDIA H200 datasheet: GH100 with 141 GB HBM3e, same 132-SM SXM5 die"),
-    GpuModel("B200", "sm_100", 148, "NVIDIA Blackwell architecture technical brief: B200 has 148 SMs"),
-)}
-"""SM counts per GPU model, keyed by model name."""
 
-_GPU_ALIASES = {"H100": "H100-SXM", "A100-SXM": "A100", "A100-PCIE": "A100"}
+_SM_FACTS = ("arch", "sms")
+
+GPUS: dict[str, GpuModel] = {row.name: _model(row) for row in CATALOG if row.arch and row.sms}
+"""SM counts per GPU model: the rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that know them."""
 
 
 def resolve_arch(arch: str | int) -> ArchSpec:
@@ -185,9 +177,8 @@ def _gpu_arch(name: str) -> str:
 
 
 def _find_gpu(name: str) -> GpuModel | None:
-    upper = {k.upper(): k for k in GPUS}
-    key = _GPU_ALIASES.get(name.upper(), name).upper()
-    return GPUS[upper[key]] if key in upper else None
+    row = find_gpu(name, has=_SM_FACTS)
+    return _model(row) if row is not None else None
 
 
 # ---------------------------------------------------------------------------------------------------------
