@@ -1,8 +1,8 @@
 """meshkit's demo model (:mod:`meshkit.models.llama`): RMSNorm, FeedForward, Attention.rotate, the root loss.
 
 The root ``Transformer`` gains ``forward(tokens, positions=None, labels=None)``: with ``labels`` it runs
-the blocks (:meth:`Transformer.forward_blocks`) and returns the fused loss instead of the logits, and
-its ``fused_loss`` marker becomes True (``LlamaLM`` reads it).
+the model up to its final norm (:meth:`Transformer.final_hidden`, the same block loop) and returns the
+fused loss instead of the logits, and its ``fused_loss`` marker becomes True (``LlamaLM`` reads it).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ def _root_forward(self: Transformer, tokens: torch.Tensor, positions: torch.Tens
     """Transformer.forward; with ``labels`` (B, T) aligned to ``tokens`` it returns the fused loss."""
     if labels is None:
         return type(self).forward(self, tokens, positions)
-    h = self.forward_blocks(self.tok_embeddings(tokens), positions)
-    return fused_lm_loss(self.output, self.norm(h), labels)
+    return fused_lm_loss(self.output, self.final_hidden(tokens, positions), labels)
 
 
 def _patch_root(m: nn.Module) -> None:

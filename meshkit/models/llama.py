@@ -159,15 +159,25 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). ``positions`` (T,) or (B, T) default to 0..T-1."""
-        h = self.forward_blocks(self.tok_embeddings(tokens), positions)  # (B, T, dim)
-        return self.output(self.norm(h))
+        return self.output(self.final_hidden(tokens, positions))
+
+    def final_hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> normed hidden states (B, T, dim) before the LM head (the fused loss starts here).
+
+        ``positions`` default to 0..T-1 of the tokens (not of the embeddings, which sequence
+        parallelism shards).
+        """
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.norm(self.forward_blocks(self.tok_embeddings(tokens), positions))  # (B, T, dim)
 
     def forward_blocks(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run every block in ``layers`` on hidden states ``h`` (B, T, dim) -> (B, T, dim).
 
-        The one block loop: :meth:`forward`, the pipeline stage forward (on a stage holding some of
-        the blocks) and the fused-loss root forward of :mod:`meshkit.integrations` all call it.
-        ``positions`` (T,) or (B, T) default to 0..T-1; the rotary tables are built once for all blocks.
+        The one block loop: :meth:`forward` (through :meth:`final_hidden`), the pipeline stage forward
+        (on a stage holding some of the blocks) and the fused-loss root forward of
+        :mod:`meshkit.integrations` all call it. ``positions`` (T,) or (B, T) default to 0..T-1 with
+        T = ``h.shape[1]``; the rotary tables are built once for all blocks.
         """
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
