@@ -30,7 +30,8 @@ from meshkit.profiling.occupancy.compile import KernelCompileError, KernelResour
 from meshkit.profiling.occupancy.report import (KernelReport, TritonKernelReport, kernel_occupancy,
                                                 occupancy_markdown, occupancy_text, sweep_occupancy,
                                                 write_occupancy_tensorboard)
-from meshkit.profiling.occupancy.theory import LIMITERS, GridWaves, Occupancy, grid_waves, theoretical_occupancy
+from meshkit.profiling.occupancy.theory import (LIMITERS, GridWaves, Occupancy, grid_waves,
+                                                theoretical_occupancy)
 
 __all__ = [
     "ARCHS",

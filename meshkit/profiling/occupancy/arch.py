@@ -1,4 +1,5 @@
-"""Per-architecture SM limits (:data:`ARCHS`) and SM counts per GPU model (:data:`GPUS`), each row citing its source.
+"""Per-architecture SM limits (:data:`ARCHS`) and SM counts per GPU model (:data:`GPUS`), each row citing
+its source.
 
 The ground floor of :mod:`meshkit.profiling.occupancy`: it imports nothing else of meshkit.
 

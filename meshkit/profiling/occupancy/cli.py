@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 from meshkit.profiling.occupancy.arch import ARCHS, GPUS
 from meshkit.profiling.occupancy.compile import import_file
-from meshkit.profiling.occupancy.report import (KernelReport, kernel_occupancy, occupancy_text, sweep_occupancy,
-                                                write_occupancy_tensorboard)
+from meshkit.profiling.occupancy.report import (KernelReport, kernel_occupancy, occupancy_text,
+                                                sweep_occupancy, write_occupancy_tensorboard)
 
 __all__ = ["configure_parser", "load_kernel", "run_cli"]
 

@@ -25,7 +25,8 @@ from typing_extensions import override
 
 from meshkit.profiling.occupancy.arch import ARCHS, _gpu_arch, resolve_arch
 from meshkit.profiling.occupancy.compile import KernelResources, build_signature, compile_many, launch_configs
-from meshkit.profiling.occupancy.theory import LIMITERS, GridWaves, Occupancy, grid_waves, theoretical_occupancy
+from meshkit.profiling.occupancy.theory import (LIMITERS, GridWaves, Occupancy, grid_waves,
+                                                theoretical_occupancy)
 
 __all__ = [
     "KernelReport",
@@ -39,17 +40,20 @@ __all__ = [
 ]
 
 
-def _resource(name: str, doc: str) -> property:
+def _resource(name: str) -> property:
     """A read-only :class:`KernelReport` attribute that reads ``self.resources.<name>``."""
-    return property(lambda self: getattr(self.resources, name), doc=doc)
+    return property(lambda self: getattr(self.resources, name),
+                    doc=f"``resources.{name}`` (see :class:`KernelResources`).")
 
 
 @dataclass(frozen=True)
 class KernelReport:
     """One kernel x arch x launch config: its compiled :class:`KernelResources` and the occupancy they allow.
 
-    The resource figures read through (``report.registers_per_thread`` is
-    ``report.resources.registers_per_thread``); :meth:`to_dict` is the flat ``--json`` record.
+    The resource figures read through: ``report.registers_per_thread`` is
+    ``report.resources.registers_per_thread``, and ``report.spill_bytes`` is
+    ``report.resources.spill_store_bytes`` (spill loads: ``spill_load_bytes``). ``kernel`` is a
+    spec's ``name`` where one was given, else the function's. :meth:`to_dict` is the ``--json`` record.
 
     >>> rep = kernel_occupancy(kernel, signature="X=*fp32,N=i32", archs=["sm_90"])[0]  # doctest: +SKIP
     >>> rep.registers_per_thread, rep.occupancy.limiter  # doctest: +SKIP
@@ -60,20 +64,19 @@ class KernelReport:
     occupancy: Occupancy
     waves: tuple[GridWaves, ...] = ()
 
-    kernel = _resource("kernel", "The report's kernel name (a spec's ``name``, else the function's).")
-    arch = _resource("arch", "``\"sm_90\"``.")
-    num_warps = _resource("num_warps", "Warps per block.")
-    num_stages = _resource("num_stages", "Triton's software-pipelining stages.")
-    constexprs = _resource("constexprs", "The ``tl.constexpr`` values compiled with.")
-    registers_per_thread = _resource("registers_per_thread", "Cubin ``REG``.")
-    spill_bytes = _resource("spill_store_bytes", "Bytes of spill stores ptxas reports (``ptxas -v``); "
-                                                 "spill loads are in ``spill_load_bytes``.")
-    spill_load_bytes = _resource("spill_load_bytes", "Bytes of spill loads ptxas reports.")
-    local_bytes = _resource("local_bytes", "Local memory per thread from the cubin (stack frame incl. spills).")
-    static_shared_bytes = _resource("static_shared_bytes", "Cubin ``SHARED``.")
-    dynamic_shared_bytes = _resource("dynamic_shared_bytes", "Triton's ``metadata.shared``.")
-    shared_bytes = _resource("shared_bytes", "Static + dynamic shared memory per block.")
-    cached = _resource("cached", "True when the resources came from the cache.")
+    kernel = _resource("kernel")
+    arch = _resource("arch")
+    num_warps = _resource("num_warps")
+    num_stages = _resource("num_stages")
+    constexprs = _resource("constexprs")
+    registers_per_thread = _resource("registers_per_thread")
+    spill_bytes = _resource("spill_store_bytes")
+    spill_load_bytes = _resource("spill_load_bytes")
+    local_bytes = _resource("local_bytes")
+    static_shared_bytes = _resource("static_shared_bytes")
+    dynamic_shared_bytes = _resource("dynamic_shared_bytes")
+    shared_bytes = _resource("shared_bytes")
+    cached = _resource("cached")
 
     def to_dict(self) -> dict[str, Any]:
         """Flat JSON-able record (the ``--json`` shape)."""
