@@ -30,7 +30,7 @@ VERBS: dict[str, tuple[str, str]] = {
         "pipeline bubble: theory, schedule simulator, measured bubble from a run's pp_timeline",
     ),
     "occupancy": (
-        "meshkit.profiling.occupancy",
+        "meshkit.profiling.occupancy.cli",
         "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",
     ),
 }
