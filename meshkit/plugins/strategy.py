@@ -73,7 +73,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
         cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
         fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
-            (:func:`meshkit.kernels.apply_fused_kernels`) before parallelizing.
+            (:func:`meshkit.integrations.apply_fused_kernels`) before parallelizing.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
             (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
 
