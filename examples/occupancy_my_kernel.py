@@ -41,9 +41,8 @@ def main() -> None:
             print(f"{r.arch:6} {block:5d} {r.num_warps:5d} {r.registers_per_thread:4d} {r.shared_bytes:7d} "
                   f"{occ.occupancy:9.1%}  {occ.limiter}: {occ.hint}")
 
-    # 2. The same from the CLI. Run from this folder, the target is the file: `my_kernels.py:row_softmax`.
-    #    (`my_kernels:row_softmax`, a module name, does not resolve from the current folder yet.)
-    cmd = ["meshkit", "occupancy", "my_kernels.py:row_softmax", "--signature", SIGNATURE,
+    # 2. The same from the CLI, run from this folder: MODULE:KERNEL (or path/to/file.py:KERNEL).
+    cmd = ["meshkit", "occupancy", "my_kernels:row_softmax", "--signature", SIGNATURE,
            "--constexpr", f"BLOCK={blocks[0]}", "--num-warps", ",".join(map(str, warps)),
            "--arch", "sm_80,sm_90", "--grid", str(rows)]
     print("\n$ cd examples && " + " ".join(f'"{c}"' if "," in c or "=" in c else c for c in cmd))

@@ -91,6 +91,8 @@ def load_kernel(target: str) -> tuple[str, Any]:
             raise ValueError(f"target={target!r}: no file {mod_part!r}.")
         module = import_file(mod_part)
     else:
+        if os.getcwd() not in sys.path and "" not in sys.path:  # as `python -m` would: the console script's
+            sys.path.insert(0, os.getcwd())                    # sys.path[0] is its bin/ folder, not the cwd
         try:
             module = importlib.import_module(mod_part)
         except ImportError as exc:
