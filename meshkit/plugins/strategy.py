@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins import fsdp as _fsdp
-from meshkit.plugins._pp_lightning import PipelineHooks, flat_optimizer_state, load_sharded_checkpoint
+from meshkit.plugins.pipeline.lightning import PipelineHooks, flat_optimizer_state, load_sharded_checkpoint
 from meshkit.plugins.dims import ParallelDims, auto_tp
 from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan, model_shape
 
