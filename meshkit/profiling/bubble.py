@@ -130,6 +130,10 @@ def _interleaved_index(k: int, p: int, v: int, forward: bool) -> tuple[int, int]
     return chunk, mb
 
 
+def _has_order(schedule: str, virtual: int) -> bool:
+    return schedule in SCHEDULES and not (schedule == "interleaved_zero_bubble" and virtual != 1)
+
+
 def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """The per-rank action order of a schedule (``stage`` is the virtual stage, ``chunk·p + rank``).
 
@@ -139,7 +143,7 @@ def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int 
     s = _schedule_name(schedule)
     p, m, v = stages, microbatches, virtual
     _check_sizes(p, m, v, s)
-    if s not in SCHEDULES or (s == "interleaved_zero_bubble" and v != 1):
+    if not _has_order(s, v):
         raise ValueError(f"bubble: no built-in order for `schedule={s!r}` with `virtual={v}` (built in: {SCHEDULES}, "
                          "interleaved_zero_bubble as ZB-H1 with -v 1); pass explicit per-rank orders to simulate.")
     orders: list[list[Action]] = []
@@ -489,7 +493,8 @@ def gantt_figure(source: SimResult | Sequence[TimelineRecord], step: int | None 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """``meshkit bubble --schedule 1f1b -p 4 -m 8 [--tf 1 --tb 2 --tw ...] [--timeline DIR] [--json]``."""
-    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} or an alias (interleaved, zero-bubble); "
+                        f"simulated: {', '.join(SCHEDULES)} (default 1f1b)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (ranks)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches per step")
     parser.add_argument("-v", "--virtual", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -526,14 +531,18 @@ def run_cli(args: argparse.Namespace) -> int:
             out["time_unit"] = "ms"
             fig_src: Any = records
         else:
-            sim = simulate(args.schedule, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
-            theory = theoretical_bubble(args.schedule, args.stages, args.microbatches, args.virtual,
-                                        args.tf, args.tb, args.tw)
-            out = {"schedule": _schedule_name(args.schedule), "stages": args.stages,
-                   "microbatches": args.microbatches, "virtual": args.virtual, **sim.to_dict(),
-                   "theoretical_bubble_fraction": theory["bubble_fraction"],
-                   "theoretical_total_time": theory["total_time"]}
-            fig_src = sim
+            name = _schedule_name(args.schedule)
+            theory = theoretical_bubble(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+            out = {"schedule": name, "stages": args.stages, "microbatches": args.microbatches,
+                   "virtual": args.virtual}
+            fig_src = None
+            if _has_order(name, args.virtual):
+                fig_src = simulate(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+                out.update(fig_src.to_dict())
+            out.update({"theoretical_bubble_fraction": theory["bubble_fraction"],
+                        "theoretical_total_time": theory["total_time"]})
+            if args.gantt and fig_src is None:
+                raise ValueError(f"--gantt needs a built-in order; `schedule={name!r}` has theory only.")
         if args.gantt:
             gantt_figure(fig_src).savefig(args.gantt, dpi=120)
             out["gantt"] = args.gantt
