@@ -390,7 +390,6 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: i
     """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
     :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.
 
-    GPipe and 1F1B (p − 1)/(m + p − 1); interleaved 1F1B (p − 1)/(v·m + p − 1); ZB-H1 (p − 1)/(3m + p − 1).
     ``virtual_stages`` None: 2 for interleaved 1F1B, 1 for the single-stage schedules and ZB-H1 ("zero_bubble").
 
     >>> bubble_fraction("1f1b", 4, 12)   # 3 / (12 + 3)

@@ -80,7 +80,7 @@ PRESETS: dict[str, Preset] = {
             "hsdp_tp_cp", "Tensor × context parallel within a node, HSDP across nodes", replicate=True, tp=True, cp=True
         ),
         Preset("auto_nd", "Layout chosen by meshkit's planner from memory, bandwidth and bubble math", planner=True),
-        # Pipeline presets (meshkit.plugins.pipeline.lightning): pp "auto" = 2 stages.
+        # Pipeline presets (meshkit.plugins._pp_lightning): pp "auto" = 2 stages.
         Preset("pp", "Pipeline parallel (2 stages unless pp= is given), FSDP2 over the rest", pp=True),
         Preset("tp_pp", "Tensor parallel within a node inside each pipeline stage", tp=True, pp=True),
         Preset("hsdp_pp", "Pipeline stages, HSDP over each stage's replicas", replicate=True, pp=True),
@@ -180,7 +180,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
             (:func:`meshkit.kernels.apply_fused_kernels`) before parallelizing.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
-            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins.pipeline.lightning`.
+            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
 
     Example::
 
@@ -253,7 +253,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._cp_attention, self._cp_layout = cp_attention, cp_layout
         self._fused_kernels = fused_kernels
-        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins.pipeline.lightning).
+        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
         self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -470,7 +470,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         # Never unpickle arbitrary objects from a checkpoint's metadata.
         weights_only = True if weights_only is None else weights_only
         if self._save_distributed_checkpoint and _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
-            # optimizer states keyed by parameter FQN: loads at any pp / layout (meshkit.plugins.pipeline.lightning)
+            # optimizer states keyed by parameter FQN: loads at any pp / layout (meshkit.plugins._pp_lightning)
             return load_sharded_checkpoint(self, checkpoint_path, weights_only)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 

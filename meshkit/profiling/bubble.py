@@ -96,7 +96,7 @@ def theoretical_bubble(schedule: str, stages: int, microbatches: int, virtual: i
     formulas and their sources), with times per microbatch per rank in this CLI's convention: ``tb``
     is the full backward, or for the zero-bubble schedules the input-grad time beside ``tw``.
     gpipe/1f1b (p − 1)/(m + p − 1); interleaved (p − 1)/(v·m + p − 1); ZB-H1 total
-    m(tf + tb + tw) + (p − 1)(tf + tb − tw).
+    m(tf + tb + tw) + (p − 1)(tf + tb − tw), plus (p − m)·tw when m < p.
 
     >>> theoretical_bubble("gpipe", stages=2, microbatches=2, tf=1, tb=1)
     {'total_time': 6.0, 'ideal_time': 4.0, 'bubble_fraction': 0.3333333333333333}

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
 
 from meshkit.schedules import (
     SCHEDULE_FACTS,
+    ScheduleFacts,
     canonical_schedule,
     microbatches_problem,
     min_microbatches,
@@ -46,10 +47,20 @@ class ScheduleSpec:
 
     cls: type
     """The torch.distributed.pipelining schedule class."""
-    multi_stage: bool
-    """True: several stages per rank (takes ``virtual_stages``); False: exactly one."""
-    placement: str
-    """"loop" (stage s on pp rank s % pp) or "v" (rank r holds stages r and 2·pp-1-r)."""
+    facts: ScheduleFacts
+    """Stages per rank, placement, micro-batch rules (the ground floor's record)."""
+
+    @property
+    def multi_stage(self) -> bool:
+        return self.facts.multi_stage
+
+    @property
+    def placement(self) -> str:
+        return self.facts.placement
+
+    @property
+    def min_microbatches(self) -> str:
+        return self.facts.min_microbatches
 
 
 _CLASSES: dict[str, type] = {
@@ -63,8 +74,7 @@ _CLASSES: dict[str, type] = {
 }
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    name: ScheduleSpec(cls, SCHEDULE_FACTS[name].multi_stage, SCHEDULE_FACTS[name].placement)
-    for name, cls in _CLASSES.items()
+    name: ScheduleSpec(cls, SCHEDULE_FACTS[name]) for name, cls in _CLASSES.items()
 }
 """torch's schedule names -> :class:`ScheduleSpec` (the names of :data:`meshkit.schedules.SCHEDULE_NAMES`)."""
 
