@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
 from meshkit.modelspec import read_shape
+from meshkit.schedules import canonical_schedule, default_virtual_stages, theoretical_bubble
 
 __all__ = [
     # inputs
@@ -80,7 +81,9 @@ __all__ = [
 ]
 
 GiB = float(2**30)
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""The schedules the planner models (:mod:`meshkit.schedules` names; interleaved_zero_bubble at one
+stage per rank is ZB-H1). Aliases such as "interleaved" and "zero_bubble" are accepted."""
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 
 
@@ -350,33 +353,29 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     """
     if pp == 1 or schedule == "none":
         return 1
-    if schedule == "gpipe":
+    name = canonical_schedule(schedule)
+    if name == "gpipe":
         return microbatches
-    if schedule in ("1f1b", "zero_bubble"):
+    if name in ("1f1b", "interleaved_zero_bubble"):
         return min(pp, microbatches)
-    if schedule == "interleaved":
+    if name == "interleaved_1f1b":
         return pp * (1 + (pp - 1) / (pp * virtual_stages))
-    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` must be one of {SCHEDULES}.")
+    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
-    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)).
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> float:
+    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
+    :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.
 
-    In units of one micro-batch's forward+backward on one stage, the work is m and the bubble is:
-    GPipe and 1F1B p − 1 (Huang et al. 2019; Narayanan et al. 2021 §2.2); interleaved 1F1B (p − 1)/v
-    (Narayanan et al. 2021 §2.2.2); zero bubble ZB-H1 (p − 1)(T_F + T_B − T_W) = (p − 1)/3 with
-    T_F = T_B = T_W (Qi et al. 2023 §3).
+    ``virtual_stages`` None: 2 for interleaved 1F1B, 1 for the single-stage schedules and ZB-H1 ("zero_bubble").
 
     >>> bubble_fraction("1f1b", 4, 12)   # 3 / (12 + 3)
     0.2
     """
     if pp == 1 or schedule == "none":
         return 0.0
-    idle = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved": (pp - 1) / virtual_stages,
-            "zero_bubble": (pp - 1) / 3}.get(schedule)
-    if idle is None:
-        raise ValueError(f"bubble_fraction: `schedule={schedule!r}` must be one of {SCHEDULES}.")
-    return idle / (microbatches + idle)
+    v = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+    return theoretical_bubble(schedule, pp, microbatches, v)
 
 
 def ring_allreduce_bytes(size_bytes: float, n: int) -> float:
@@ -694,7 +693,7 @@ class Layout:
         return f"largest loss: {_loss_phrase(self, key)}, {worst / self.step_time_s:.0%} of the step; {mem}"
 
     def describe(self) -> str:
-        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
+        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved_1f1b(v=4) m=16 ac=full``."""
         axes = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
         parts = [f"{a}={getattr(self, a)}" for a in axes if getattr(self, a) > 1]
         parts.append(f"zero{self.zero_stage}")
@@ -895,9 +894,9 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
 
     runs: list[tuple[str, int]] = [("none", 1)]
     if p > 1:  # interleaved needs v·p chunks of ≥ 1 layer and m a multiple of p (Megatron-LM's rule)
-        runs = [(s, 1) for s in ctx.schedules if s != "interleaved"] + [
-            ("interleaved", v) for v in ctx.virtual_stages
-            if "interleaved" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
+        runs = [(s, 1) for s in ctx.schedules if s != "interleaved_1f1b"] + [
+            ("interleaved_1f1b", v) for v in ctx.virtual_stages
+            if "interleaved_1f1b" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
 
     out: list[Layout] = []
@@ -1069,19 +1068,26 @@ def format_table(layouts: Sequence[Layout]) -> str:
         >>> table.splitlines()[0].split()[:6], len(table.splitlines())
         (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
     """
-    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
+    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<23} {'m':>3}   "
             f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'mm eff':>6} {'step s':>7} "
             f"{'MFU':>5}  fits  reason")
     lines = [head]
     for i, lay in enumerate(layouts, 1):
         lines.append(
             f"{i:<3} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.pp:>3} {lay.cp:>3} {lay.tp:>3} {lay.zero_stage:>4} "
-            f"{lay.schedule:<11} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
+            f"{lay.schedule:<23} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
             f"{lay.activation_gb:>7.1f} {lay.bubble_fraction:>7.1%} {lay.tp_comm_ratio:>8.3f} "
             f"{lay.matmul_efficiency:>6.0%} {lay.step_time_s:>7.3g} {lay.predicted_mfu:>5.1%}  "
             f"{'yes' if lay.feasible else 'no ':<4}  {lay.reason}"
         )
     return "\n".join(lines)
+
+
+def _canonical_schedules(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+    return tuple(canonical_schedule(v) for v in values)
 
 
 def _as_tuple(value: Any, allowed: Sequence[Any], name: str, auto: tuple) -> tuple:
@@ -1173,7 +1179,7 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, ridge=float(roofline_ridge),
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
-        schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
+        schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
         virtual_stages=tuple(virtual_stages), flash=flash_attention, sp=sequence_parallel,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
@@ -1323,7 +1329,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
-    g.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default: try all)")
+    g.add_argument("--schedule", type=canonical_schedule, default=None,
+                   help=f"pipeline schedule, one of {', '.join(SCHEDULES)} or an alias (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")
