@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default 2; --cpu 2)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; --cpu 32)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per depth (default 10; --cpu 2)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
     ap.add_argument("--variants", default="meshkit+compile,compile",
                     help="comma list of meshkit+compile, compile, meshkit, eager")
     ap.add_argument("--budget-s", type=float, default=100.0, help="start no new variant after this many seconds")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = ("eager" if cpu else "inductor") if variant.endswith("compile") else None
         try:
             rows = [time_steps(cfg_of(n), device=device, dtype=dtype, batch=batch, seq=seq, steps=steps,
-                               warmup=2, fused=fused, compile_backend=backend) for n in depths]
+                               warmup=a.warmup, fused=fused, compile_backend=backend) for n in depths]
             out["variants"][variant] = {"compile_backend": backend, "rows": rows,
                                         **fit_and_mfu(rows, cfg_of, tokens=batch * seq, seq=seq, peak=peak.flops)}
         except Exception as exc:  # noqa: BLE001 - one variant's failure (OOM, compile) is a figure too
@@ -185,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
         print(json.dumps({variant: {k: v for k, v in out["variants"][variant].items() if k != "rows"}},
                          default=str), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        if a.json:  # after every variant: a run killed at its time limit keeps the variants it finished
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1, default=str)
     return 1 if all("error" in v for v in out["variants"].values()) else 0
 
 

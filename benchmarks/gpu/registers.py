@@ -40,7 +40,8 @@ _MM_CONST = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "strid
 
 
 def offline(kernel: Any, arch: str, cache: str, **spec: Any) -> dict[str, Any]:
-    """Registers, spills (local bytes / 4, as Triton's ``n_spills``) and dynamic shared bytes of one offline compile for ``arch``."""
+    """One offline compile for ``arch``: registers, spills (local bytes / 4, as Triton's ``n_spills``),
+    dynamic shared bytes and the occupancy they give."""
     (rep,) = kernel_occupancy(kernel, archs=[arch], cache_dir=cache, **spec)
     return {"registers": rep.registers_per_thread, "spills": rep.local_bytes // 4,
             "shared_bytes": rep.dynamic_shared_bytes, "active_blocks_per_sm": rep.occupancy.active_blocks_per_sm}
@@ -110,6 +111,10 @@ def _spec_of(fn: Any, k: Any) -> dict[str, Any]:
     """signature / constexprs / num_warps / num_stages of a loaded kernel, for :func:`offline`."""
     sig = {name: ty for name, ty in k.src.signature.items() if ty != "constexpr"}
     names = list(fn.arg_names)
+    for key, attrs in getattr(k.src, "attrs", {}).items():  # {(index,): [["tt.divisibility", 16]]}
+        name = names[key[0]]
+        if name in sig and not sig[name].startswith("*") and ["tt.divisibility", 16] in [list(x) for x in attrs]:
+            sig[name] += ":16"  # the launcher's 16-divisible int specialisation (pointers are always aligned)
     constexprs = {}
     for key, val in k.src.constants.items():
         name = names[key[0]] if isinstance(key, tuple) else (names[key] if isinstance(key, int) else key)
