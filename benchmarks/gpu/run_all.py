@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -176,22 +177,21 @@ def _environment(cpu: bool) -> dict[str, Any]:
                            "host": platform.node(),
                            "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                            "liger_kernel_installed": importlib.util.find_spec("liger_kernel") is not None}
-    try:
-        import torch
+    for dist in ("torch", "triton"):  # versions without importing them (seconds of CPU each)
+        try:
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist] = None
+    if not cpu:
+        try:
+            import torch
 
-        env["torch"] = torch.__version__
-        env["cuda"] = torch.version.cuda
-        if torch.cuda.is_available() and not cpu:
-            env["device"] = torch.cuda.get_device_name()
-            env["capability"] = list(torch.cuda.get_device_capability())
-    except Exception as exc:  # noqa: BLE001
-        env["torch"] = f"unavailable: {exc}"
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception as exc:  # noqa: BLE001
-        env["triton"] = f"unavailable: {exc}"
+            env["cuda"] = torch.version.cuda
+            if torch.cuda.is_available():
+                env["device"] = torch.cuda.get_device_name()
+                env["capability"] = list(torch.cuda.get_device_capability())
+        except Exception as exc:  # noqa: BLE001
+            env["device"] = f"unavailable: {exc}"
     return env
 
 
