@@ -30,13 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from meshkit.profiling.occupancy import kernel_occupancy  # noqa: E402
 from tests.fixtures.occupancy_kernels import matmul_kernel, row_sum_squares  # noqa: E402
+from tests.gpu.test_occupancy_gpu import MM_CONST, MM_SIG, RED_SIG  # noqa: E402  (the specialisations tested)
 
 __all__ = ["offline", "fixture_rows", "builtin_rows", "main"]
 
-_MM_SIG = {"A": "*fp16", "B": "*fp16", "C": "*fp16", "M": "i32:16", "N": "i32:16", "K": "i32:16",
-           "stride_am": "i32:16", "stride_bk": "i32:16", "stride_cm": "i32:16"}
-_MM_CONST = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "stride_ak": 1, "stride_bn": 1,
-             "stride_cn": 1}
+
 
 
 def offline(kernel: Any, arch: str, cache: str, **spec: Any) -> dict[str, Any]:
@@ -61,7 +59,7 @@ def _compare(off: dict[str, Any], got: dict[str, Any] | None) -> dict[str, Any]:
 def fixture_rows(arch: str, cache: str, cuda: bool, small: bool) -> dict[str, Any]:
     """The two fixture kernels, offline vs launched (offline only without CUDA)."""
     rows: dict[str, Any] = {}
-    red_spec = {"signature": "X=*fp32,OUT=*fp32,N=i32,stride=i32", "constexprs": {"BLOCK": 1024}, "num_warps": 4}
+    red_spec = {"signature": RED_SIG, "constexprs": {"BLOCK": 1024}, "num_warps": 4}
     got = None
     if cuda:
         x, y = torch.randn(64, 1000, device="cuda"), torch.empty(64, device="cuda")
@@ -75,7 +73,7 @@ def fixture_rows(arch: str, cache: str, cuda: bool, small: bool) -> dict[str, An
         got = _loaded(matmul_kernel[(16,)](a, b, c, 512, 512, 512, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
                                            c.stride(0), c.stride(1), BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
                                            GROUP_M=8, num_warps=8, num_stages=4))
-    rows["matmul"] = _compare(offline(matmul_kernel, arch, cache, signature=_MM_SIG, constexprs=_MM_CONST,
+    rows["matmul"] = _compare(offline(matmul_kernel, arch, cache, signature=MM_SIG, constexprs=MM_CONST,
                                       num_warps=8, num_stages=4), got)
     return rows
 

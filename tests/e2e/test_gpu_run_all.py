@@ -2,7 +2,7 @@
 
 The dry run takes the same code paths as the H200 run (section subprocesses with their own limits,
 the kernel benchmark with every provider, the MFU fit, the offline register compile, pytest on
-tests/gpu, one JSON) with CUDA hidden. ~50 s of CPU in all (four fresh interpreters importing torch);
+tests/gpu, one JSON) with CUDA hidden. ~65 s of CPU in all (four fresh interpreters importing torch);
 its wall time grows with the machine's load, hence the generous limit.
 """
 
