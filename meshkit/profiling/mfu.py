@@ -79,28 +79,40 @@ def mesh_factors(strategy: Any, world_size: int) -> tuple[int, int]:
     return dp, world_size
 
 
-def batch_tokens(batch: Any) -> int:
-    """Tokens in one local batch: ``input_ids`` of a dict batch, else the first tensor's element count."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.numel())
+def _token_tensor(batch: Any) -> tuple[Any, bool]:
+    """(the tensor that holds the batch's tokens, whether it carries the shifted label column)."""
     if isinstance(batch, Mapping):
-        if "input_ids" in batch and isinstance(batch["input_ids"], torch.Tensor):
-            return int(batch["input_ids"].numel())
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return batch["input_ids"], False
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if isinstance(item, torch.Tensor):
-                return int(item.numel())
-    raise ValueError(f"MFUMonitor: cannot count tokens in a batch of type {type(batch).__name__}; "
-                     "pass `tokens_fn=lambda batch: <tokens in it>`.")
+        batch = next((item for item in batch if isinstance(item, torch.Tensor)), None)
+    if isinstance(batch, torch.Tensor):
+        # a bare 2-D integer batch is (B, T + 1) tokens: the inputs and the label shifted by one
+        return batch, batch.dim() == 2 and not batch.is_floating_point() and batch.shape[-1] > 1
+    return None, False
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens trained on in one local batch: ``input_ids`` of a dict batch; a bare 2-D integer (B, T + 1)
+    token tensor counts B·T (its last column is only a label); else the first tensor's element count.
+
+    >>> batch_tokens(torch.zeros(4, 129, dtype=torch.long)), batch_tokens({"input_ids": torch.zeros(4, 128)})
+    (512, 512)
+    """
+    tensor, shifted = _token_tensor(batch)
+    if tensor is None:
+        raise ValueError(f"MFUMonitor: cannot count tokens in a batch of type {type(batch).__name__}; "
+                         "pass `tokens_fn=lambda batch: <tokens in it>`.")
+    return int(tensor[..., :-1].numel()) if shifted else int(tensor.numel())
 
 
 def _batch_seq_len(batch: Any) -> int | None:
-    if isinstance(batch, Mapping):
-        batch = batch.get("input_ids", next(iter(batch.values()), None))
-    if isinstance(batch, (list, tuple)):
-        batch = next((b for b in batch if isinstance(b, torch.Tensor)), None)
-    return int(batch.shape[-1]) if isinstance(batch, torch.Tensor) and batch.dim() >= 1 else None
+    """T for the attention term: the trained sequence length (without the label shift)."""
+    tensor, shifted = _token_tensor(batch)
+    if tensor is None or tensor.dim() < 1:
+        return None
+    return int(tensor.shape[-1]) - (1 if shifted else 0)
 
 
 @dataclass
@@ -227,7 +239,8 @@ class MFUMonitor(Callback):
         dtype: compute dtype for the peak lookup; default from the Trainer's precision.
         flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the module's
             ``config`` (or ``model.config``), else 3 × the measured forward.
-        seq_len: T for the attention term; default the batch's last dimension.
+        seq_len: T for the attention term; default the batch's last dimension (minus the label
+            column of a bare (B, T + 1) token tensor).
         tokens_fn: ``batch -> tokens`` in one local batch; default :func:`batch_tokens`.
         measure_flops: count hardware FLOPs with ``FlopCounterMode`` on training batch
             ``flop_count_batch`` (that step is not timed).

@@ -199,17 +199,17 @@ def _noise_floor(instances: list[dict[str, Any]], min_lateness_ms: float) -> flo
 
 
 def _root(inst: dict[str, Any], late: list[dict[str, Any]], blocked: dict[int, Intervals], depth: int = 0) -> int:
-    """The rank a late instance really waited for: its last arrival, or whom that rank was blocked on."""
+    """The rank a late instance really waited for: its last arrival, or, when that rank spent most of
+    its lateness blocked in another late collective, whom it waited for there."""
     j = inst["last"]
     t = inst["members"][j][0]
-    window = inst["lateness_ms"] * _US_PER_MS
-    if depth > 8 or j not in blocked or blocked[j].measure([t - window], [t])[0] < 0.5 * window:
+    lo = t - inst["lateness_ms"] * _US_PER_MS
+    if depth > 8 or j not in blocked or blocked[j].measure([lo], [t])[0] < 0.5 * (t - lo):
         return j
-    before = [x for x in late if j in x["members"] and x["last"] != j and x["members"][j][1] <= t + 1000.0
-              and x["members"][j][1] >= t - window]
-    if not before:
-        return j
-    return _root(max(before, key=lambda x: x["members"][j][1]), late, blocked, depth + 1)
+    overlap = [(min(x["members"][x["last"]][0], t) - max(x["members"][j][0], lo), x) for x in late
+               if j in x["members"] and x["last"] != j and x is not inst]
+    overlap = [(o, x) for o, x in overlap if o > 0.25 * (t - lo)]
+    return j if not overlap else _root(max(overlap, key=lambda ox: ox[0])[1], late, blocked, depth + 1)
 
 
 def straggler_report(ranks: dict[int, RankTrace], blocked: dict[int, Intervals] | None = None,

@@ -288,7 +288,7 @@ class _Sink:
         self.ccomm_s, self.ccomm_e, self.ccomm_tid = f(), f(), f()
         self.ccomm_names: list[str] = []
         self.pp_s, self.pp_e = f(), f()
-        self.phases: list[tuple[str, float, float, Any]] = []
+        self.phases: list[tuple[str, float, float, Any, bool]] = []
         self.steps: list[tuple[int, float, float, Any]] = []
         self.first_ts = math.inf
         self.events = 0
@@ -329,7 +329,7 @@ class _Sink:
             elif name.startswith("PP:"):
                 self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
             elif cat != "cpu_op" and (phase := _phase_of(name)) is not None:
-                self.phases.append((phase, ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
+                self.phases.append((phase, ev.ts, ev.ts + (ev.dur or 0.0), ev.tid, name.startswith("meshkit:")))
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops
             ops = [ev for ev in evs if _is_compute_op(ev.name)]
             _spans(ops, self.cpu_s, self.cpu_e)
@@ -558,11 +558,16 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
     rt.pipeline = Intervals.union(cat("pp_s"), cat("pp_e"))
     by_phase: dict[str, tuple[list, list]] = {}
     for s in sinks:
-        for phase, start, end, tid in s.phases:
+        for phase, start, end, tid, mk in s.phases:
             if not main.size or (isinstance(tid, (int, float)) and float(tid) in main):
-                by_phase.setdefault(phase, ([], []))[0].append(start), by_phase[phase][1].append(end)
-    if "optimizer" in by_phase and "forward_backward" not in by_phase:
-        by_phase["optimizer"] = _after_backward(*by_phase["optimizer"], np.sort(cat("autograd_e")))
+                for key in (phase, "meshkit:optimizer") if (phase == "optimizer" and mk) else (phase,):
+                    by_phase.setdefault(key, ([], []))[0].append(start), by_phase[key][1].append(end)
+    if "forward_backward" in by_phase:  # meshkit's markers: torch's optimizer spans may wrap the closure
+        by_phase["optimizer"] = by_phase.pop("meshkit:optimizer", ([], []))
+    else:
+        by_phase.pop("meshkit:optimizer", None)
+        if "optimizer" in by_phase:
+            by_phase["optimizer"] = _after_backward(*by_phase["optimizer"], np.sort(cat("autograd_e")))
     rt.phases = {k: Intervals.union(v[0], v[1]) for k, v in by_phase.items()}
     rt.host_steps = Intervals.union([st[1] for st in steps], [st[2] for st in steps])
     if rt.shape == "cuda":
