@@ -341,7 +341,8 @@ class MFUMonitor(Callback):
             info = peak_info(name, dtype)
             self._peak, self.peak_source = info.flops, f"{info.kind}: {info.row} {info.dtype} ({info.source})"
         self._win = ProfilerWindows(self.trace_dir, self._rank, self.profile_every, self.profile_start,
-                                    self.profile_steps, self.profile_budget, cuda=self._device.type == "cuda")
+                                    self.profile_steps, self.profile_budget, cuda=self._device.type == "cuda",
+                                    metadata={"meshkit_peak": {"flops": self._peak, "source": self.peak_source}})
         self._wrap_save_checkpoint(trainer)
         if trainer.is_global_zero and self.profile_every:
             writer = self._writer(trainer)

@@ -323,6 +323,8 @@ def _rank_entry(rt: RankTrace, claims: list[tuple[str, Intervals]]) -> dict[str,
     }
     if "bubble" in tot:
         entry["bubble_ms"] = tot["bubble"]
+    if rt.peak is not None:
+        entry["peak"] = rt.peak
     entry["per_step"] = [
         {"step": int(s), **{f"{k}_ms": round(float(v[i]) / _US_PER_MS, 6) for k, v in m.items()},
          "buckets_ms": {k: round(float(v[i]) / _US_PER_MS, 6) for k, v in b.items()}}
@@ -418,12 +420,27 @@ def format_table(result: dict[str, Any]) -> str:
     for r, v in result["ranks"].items():
         lines.append(f"{r:>4} " + " ".join(f"{v.get(c, float('nan')):>18.3f}" if c != "steps" else f"{v[c]:>18d}"
                                             for c in cols))
+    names = list(next(iter(result["ranks"].values()), {}).get("buckets_ms", {}))
+    if names:
+        lines += ["", "step model, ms (each step's time in exactly one bucket):",
+                  "rank " + " ".join(f"{n:>13}" for n in names) + "  waiting for"]
+        for r, v in result["ranks"].items():
+            waits = ", ".join(f"rank {k} {x:.3f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
+            lines.append(f"{r:>4} " + " ".join(f"{v['buckets_ms'][n]:>13.3f}" for n in names) + f"  {waits}")
+    lines.append("")
+    lines.append(f"windows used (first batch): {result.get('windows_used', [])}")
+    peaks = {json.dumps(v["peak"], sort_keys=True) for v in result["ranks"].values() if "peak" in v}
+    for peak in sorted(peaks):
+        p = json.loads(peak)
+        lines.append(f"peak FLOP/s used by MFUMonitor: {p.get('flops', 0):.4g} ({p.get('source', '?')})")
+    verdict = result.get("straggler")
+    lines.append(f"straggler: rank {verdict['rank']}, made others wait {verdict['caused_ms_per_step']:.3f} ms per step"
+                 if verdict else "straggler: none above the noise floor (the run's own jitter)")
     if result["stragglers"]:
-        lines.append("")
-        lines.append("stragglers (rank most often last per collective):")
+        lines.append("stragglers (late arrivals above the noise floor, per process group and collective):")
         for s in result["stragglers"][:10]:
-            lines.append(f"  {s['collective']:<32} rank {s['rank']:>3}  late by {s['lateness_ms']:.3f} ms "
-                         f"(last in {s['times_last']}/{s['instances']})")
+            lines.append(f"  {s['collective']:<24} group {str(s.get('group', '?')):<14} rank {s['rank']:>3}  late by "
+                         f"{s['lateness_ms']:.3f} ms (last in {s['times_last']}/{s['instances']})")
     if result["partial"]:
         lines.append("")
         lines.append("PARTIAL RESULT:")

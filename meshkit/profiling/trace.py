@@ -198,6 +198,8 @@ class RankTrace:
     """Host phase spans on the step's thread, by phase (see :data:`PHASE_MARKERS`)."""
     optimizer_kernels: Intervals = field(default_factory=_EMPTY)
     """CUDA: compute kernels launched inside an optimizer phase span."""
+    peak: dict[str, Any] | None = None
+    """The peak FLOP/s MFUMonitor used (``{"flops", "source"}``, its trace's ``meshkit_peak`` key)."""
     host_steps: Intervals = field(default_factory=_EMPTY)
     """The ``ProfilerStep#N`` spans on the host (the same as ``step_windows`` on CPU)."""
     collectives: list[tuple[str, float, float, Any]] = field(default_factory=list)
@@ -240,13 +242,9 @@ class _Event(msgspec.Struct, gc=False):
 _SKIP = _Event()
 _COMM_NS = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl:", "PP:")
 _NOT_OPS = ("autograd::", "torch::autograd::", "profiler::")
+_NOT_COMPUTE = _COMM_NS + _NOT_OPS
 _CAT = operator.attrgetter("cat")
 _DECODE_BATCH = msgspec.json.Decoder(list[_Event]).decode
-
-
-def _is_compute_op(name: str) -> bool:
-    """An operator that does work (``ns::op``), not a container or a comm op."""
-    return "::" in name and not name.startswith(_COMM_NS) and not name.startswith(_NOT_OPS)
 
 
 def _phase_of(name: str) -> str | None:
@@ -290,15 +288,19 @@ class _Sink:
         self.pp_s, self.pp_e = f(), f()
         self.phases: list[tuple[str, float, float, Any, bool]] = []
         self.steps: list[tuple[int, float, float, Any]] = []
-        self.first_ts = math.inf
         self.events = 0
+
+    @property
+    def first_ts(self) -> float:
+        """The earliest start of a kept event (orders a rank's windows when their names do not)."""
+        firsts = [min(a) for a in (self.cpu_s, self.kern_s, self.comm_k_s, self.ccomm_s) if len(a)]
+        firsts += [st[1] for st in self.steps[:1]]
+        return min(firsts, default=math.inf)
 
     def add(self, batch: list[_Event]) -> None:
         """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
         self.events += len(batch)
         complete = sorted((ev for ev in batch if ev.ph == "X" and ev.ts is not None), key=_CAT)
-        if complete:
-            self.first_ts = min(self.first_ts, min(ev.ts for ev in complete))  # type: ignore[type-var]
         for cat, group in itertools.groupby(complete, key=_CAT):
             evs = list(group)
             if cat in ("cpu_op", "user_annotation", "python_function"):
@@ -321,6 +323,18 @@ class _Sink:
                 self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
 
     def _host(self, cat: str, evs: list[_Event]) -> None:
+        if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
+            is_aten = [ev.name.startswith("aten::") for ev in evs]
+            rest = list(itertools.compress(evs, map(operator.not_, is_aten)))
+            ops = list(itertools.compress(evs, is_aten))
+            ops += [ev for ev in rest if "::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)]
+            _spans(ops, self.cpu_s, self.cpu_e)
+            self.cpu_tid.extend([float(ev.tid) if isinstance(ev.tid, int) else -1.0 for ev in ops])
+            waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
+            _spans(waits, self.wait_s, self.wait_e)
+            self.wait_tid.extend([_tid(ev) for ev in waits])
+            self.autograd_e.extend([ev.ts + (ev.dur or 0.0) for ev in rest if ev.name.startswith("autograd::engine")])
+            return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
             if name.startswith(("gloo:", "nccl:")):
@@ -328,20 +342,10 @@ class _Sink:
                 self.ccomm_tid.append(_tid(ev)), self.ccomm_names.append(name)
             elif name.startswith("PP:"):
                 self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
-            elif cat != "cpu_op" and (phase := _phase_of(name)) is not None:
+            elif (phase := _phase_of(name)) is not None:
                 self.phases.append((phase, ev.ts, ev.ts + (ev.dur or 0.0), ev.tid, name.startswith("meshkit:")))
-        if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops
-            ops = [ev for ev in evs if _is_compute_op(ev.name)]
-            _spans(ops, self.cpu_s, self.cpu_e)
-            self.cpu_tid.extend([_tid(ev) for ev in ops])
-            waits = [ev for ev in evs if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
-            _spans(waits, self.wait_s, self.wait_e)
-            self.wait_tid.extend([_tid(ev) for ev in waits])
-            self.autograd_e.extend([ev.ts + (ev.dur or 0.0) for ev in evs if ev.name.startswith("autograd::engine")])
-        elif cat == "user_annotation":
-            for ev in evs:
-                if ev.name.startswith("ProfilerStep#") and ev.name[13:].isdigit():
-                    self.steps.append((int(ev.name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
+            elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
+                self.steps.append((int(name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
 
 
 def _tid(ev: _Event) -> float:
@@ -548,6 +552,8 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
         if isinstance(info.get("world_size"), int):
             rt.world_size = info["world_size"]
         rt.host = meta.get("host_name", rt.host)
+        if isinstance(meta.get("meshkit_peak"), dict):
+            rt.peak = meta["meshkit_peak"]
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
     main = np.array(sorted({float(st[3]) for st in steps if isinstance(st[3], (int, float))}))

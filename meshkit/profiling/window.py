@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -63,12 +64,14 @@ class ProfilerWindows:
         steps: active batches per window (after one warm-up batch).
         budget: the largest share of training time windows may take (``None``: no limit).
         cuda: also record CUDA activity.
+        metadata: top-level keys written into every trace (JSON-serialisable values), e.g. the peak
+            FLOP/s that ``meshkit analyze`` then reports.
     """
 
     def __init__(self, trace_dir: str, rank: int, every: int, start: int, steps: int,
-                 budget: float | None, cuda: bool = False) -> None:
+                 budget: float | None, cuda: bool = False, metadata: dict[str, Any] | None = None) -> None:
         self.trace_dir, self.rank, self.every, self.steps = trace_dir, rank, every, steps
-        self.budget, self.cuda = budget, cuda
+        self.budget, self.cuda, self.metadata = budget, cuda, dict(metadata or {})
         self.next_batch = start
         self.first = -1
         self.history: list[dict[str, float]] = []
@@ -99,6 +102,8 @@ class ProfilerWindows:
                              on_trace_ready=lambda p: p.export_chrome_trace(self.path(self.first)),
                              record_shapes=False, with_stack=False)
         self._prof.start()
+        for key, value in self.metadata.items():
+            self._prof.add_metadata_json(key, json.dumps(value))
 
     def step(self) -> bool:
         """The end of a batch inside the window; True when the window's last batch has ended."""

@@ -14,7 +14,7 @@ SEQ, BATCH, STEPS = 16, 2, 6
 
 @pytest.fixture(scope="module")
 def pool():
-    with ProcessPool(world_size=4) as p:
+    with ProcessPool(world_size=4, timeout=900) as p:
         yield p
 
 

@@ -110,8 +110,6 @@ def test_injected_delays_land_in_their_buckets(pool, tmp_path):
                 delta = s[k] - b[k]
                 expected = want.get(k)
                 table.append((case, rank, k, expected or 0.0, round(delta, 1), round(b[k], 1)))
-                if case == "straggler" and k == "exposed_comm" and rank != SLOW_RANK:
-                    continue  # asserted below through "waiting for rank 2"; see the note there
                 if expected is not None and abs(delta - expected) > tol:
                     failures.append(f"{case}: rank {rank} {k}: injected {expected:.0f} ms, reported change {delta:.1f}")
                 if expected is None and delta > tol:  # the injected time is not also charged to another bucket
@@ -132,13 +130,12 @@ def test_injected_delays_land_in_their_buckets(pool, tmp_path):
         with open(out, "w") as f:
             json.dump({"runs": runs, "table": table, "waits": waits}, f, default=str)
     assert not failures, failures
-    # The waiting ranks' exposed comm grows by the time they wait for rank 2, but not one for one:
-    # the baseline's own skew waits are absorbed into the long one, and a rank that waits for a rank
-    # that waits for rank 2 waits for both. What they waited for rank 2 is the injected amount.
+    # Who they waited for: most of each waiting rank's extra blocked time is attributed to rank 2 (a wait
+    # in a collective whose lateness stays under the noise floor is attributed to nobody).
     steps = len(WINDOW)
     for r in range(4):
         if r != SLOW_RANK:
-            assert waits[r].get(str(SLOW_RANK), 0.0) / steps == pytest.approx(1e3 * DELAY_S, abs=tol), waits
+            assert 0.5 * 1e3 * DELAY_S <= waits[r].get(str(SLOW_RANK), 0.0) / steps <= 1e3 * DELAY_S + tol, waits
     assert res["straggler"]["straggler"] is not None and res["straggler"]["straggler"]["rank"] == SLOW_RANK
     assert res["base"]["straggler"] is None and res["phases"]["straggler"] is None, res["base"]["straggler"]
     for case in runs:
