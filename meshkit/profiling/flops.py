@@ -236,8 +236,7 @@ def peak_info(device_name: str, dtype: Any = "bf16", *, override: float | None =
     if not isinstance(device_name, str) or not device_name.strip():
         raise ValueError(f"peak_info: `device_name={device_name!r}` must be a non-empty device string.")
     if "CPU" in _normalize_name(device_name).split() or _normalize_name(device_name) == "CPU":
-        return PeakInfo(measured_cpu_peak(key), "cpu", key, "measured",
-                        f"matmul calibration on this host, one process at a time ({cpu_peak_key(key)})")
+        return PeakInfo(measured_cpu_peak(key), "cpu", key, "measured", "matmul calibration on this host")
     row = _match_row(device_name)
     if row is None:
         known = ", ".join(r.name for r in (*_USER_ROWS, *PEAK_TABLE))

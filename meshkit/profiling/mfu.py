@@ -45,7 +45,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from meshkit.profiling.flops import flop_counter, model_flops_per_token, normalize_dtype, peak_info
+from meshkit.profiling.flops import cpu_peak_key, flop_counter, model_flops_per_token, normalize_dtype, peak_info
 from meshkit.profiling.report import BREAKDOWN_PARTS, SCALAR_PREFIX, points_lost, write_layout, write_window
 from meshkit.profiling.window import ProfilerWindows, WindowSteps
 
@@ -340,6 +340,8 @@ class MFUMonitor(Callback):
             name = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else "cpu"
             info = peak_info(name, dtype)
             self._peak, self.peak_source = info.flops, f"{info.kind}: {info.row} {info.dtype} ({info.source})"
+            if info.kind == "measured":  # which calibration: CPU model, cores, dtype, threads, torch
+                self.peak_source += f", {info.flops / 1e9:.1f} GFLOP/s [{cpu_peak_key(info.dtype)}]"
         self._win = ProfilerWindows(self.trace_dir, self._rank, self.profile_every, self.profile_start,
                                     self.profile_steps, self.profile_budget, cuda=self._device.type == "cuda",
                                     metadata={"meshkit_peak": {"flops": self._peak, "source": self.peak_source}})
