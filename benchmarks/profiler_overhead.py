@@ -37,6 +37,7 @@ from meshkit.models import LlamaConfig, LlamaLM, synthetic_tokens  # noqa: E402
 from meshkit.profiling.mfu import MFUMonitor  # noqa: E402
 
 _HOOKS = ("setup", "on_train_epoch_start", "on_train_batch_start", "on_before_backward", "on_before_optimizer_step",
+          "on_validation_start", "on_validation_end",
           "on_train_batch_end", "on_train_end")
 
 

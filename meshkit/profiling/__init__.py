@@ -36,7 +36,7 @@ _WHERE = {
     "theoretical_bubble": "bubble",
     "simulate": "bubble",
     "measured_bubble": "bubble",
-    "read_timeline": "bubble",
+    "read_timeline": "bubble",  # re-exported from meshkit.timeline
     "TimelineRecord": "bubble",
 }
 

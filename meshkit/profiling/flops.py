@@ -49,6 +49,7 @@ __all__ = [
     "register_peak",
     "normalize_dtype",
     "measured_cpu_peak",
+    "cpu_peak_key",
     "ModelShape",
     "model_shape",
     "model_flops_per_token",
@@ -149,6 +150,28 @@ def _cpu_cache_path() -> str:
     return os.path.join(root, "meshkit", "cpu_peak.json")
 
 
+def _cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo`` on Linux), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_peak_key(dtype: Any = "fp32", threads: int | None = None) -> str:
+    """The calibration's cache key: CPU model, core count, dtype, threads and torch version.
+
+    >>> cpu_peak_key("fp32", 1).count("|")
+    4
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{_cpu_model()}|cores={os.cpu_count()}|{normalize_dtype(dtype)}|threads={threads}|torch={torch.__version__}"
+
+
 def _calibrate_cpu(dtype: torch.dtype, n: int = 256, min_time_s: float = 0.05) -> float:
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
@@ -165,12 +188,47 @@ def _calibrate_cpu(dtype: torch.dtype, n: int = 256, min_time_s: float = 0.05) -
     return best
 
 
+class _HostLock:
+    """An exclusive lock on this host (``flock`` of a file next to the cache), so that processes
+    calibrate one at a time while the others wait idle instead of competing for the cores."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._f = path + ".lock", None
+
+    def __enter__(self) -> "_HostLock":
+        try:
+            import fcntl
+
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._f = open(self.path, "w")
+            fcntl.flock(self._f, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            self._f = None  # no flock (Windows, read-only home): calibrate unserialised
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._f is not None:
+            self._f.close()  # closing releases the lock
+
+
+def _read_disk(path: str) -> dict[str, float]:
+    try:
+        with open(path) as f:
+            disk = json.load(f)
+        return disk if isinstance(disk, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def measured_cpu_peak(dtype: Any = "fp32", *, recalibrate: bool = False) -> float:
     """Measured matmul FLOP/s of this CPU at the current ``torch.get_num_threads()``.
 
-    Calibrated once per (dtype, threads) and cached in memory and in
-    ``~/.cache/meshkit/cpu_peak.json`` (keyed by processor and thread count). This is a
-    *measured* peak, not a datasheet one: MFU on CPU is relative to what torch's matmul reaches.
+    Calibrated once per :func:`cpu_peak_key` (CPU model, core count, dtype, threads, torch
+    version) and cached in memory and in ``~/.cache/meshkit/cpu_peak.json``. Processes on one
+    host calibrate one at a time under a file lock, the others waiting (idle) and then reading
+    the cached figure, so that the peak does not depend on how many ranks calibrated at once
+    (four at once measured 62 GFLOP/s where one alone measures 97–103). This is a *measured*
+    peak, not a datasheet one: MFU on CPU is relative to what torch's matmul reaches.
     """
     key = normalize_dtype(dtype)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(key, torch.float32)
@@ -178,26 +236,22 @@ def measured_cpu_peak(dtype: Any = "fp32", *, recalibrate: bool = False) -> floa
     cache_key = (key, threads)
     if not recalibrate and cache_key in _CPU_PEAK_CACHE:
         return _CPU_PEAK_CACHE[cache_key]
-    disk_key = f"{platform.processor() or platform.machine()}|{key}|{threads}|torch{torch.__version__}"
+    disk_key = cpu_peak_key(key, threads)
     path = _cpu_cache_path()
-    disk: dict[str, float] = {}
-    try:
-        with open(path) as f:
-            disk = json.load(f)
-    except (OSError, ValueError):
-        disk = {}
-    if not recalibrate and isinstance(disk.get(disk_key), (int, float)) and disk[disk_key] > 0:
-        value = float(disk[disk_key])
-    else:
-        value = _calibrate_cpu(torch_dtype)
-        disk[disk_key] = value
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + ".tmp", "w") as f:
-                json.dump(disk, f)
-            os.replace(path + ".tmp", path)
-        except OSError:
-            pass  # a read-only home only costs a recalibration next process
+    with _HostLock(path):
+        disk = _read_disk(path)
+        if not recalibrate and isinstance(disk.get(disk_key), (int, float)) and disk[disk_key] > 0:
+            value = float(disk[disk_key])
+        else:
+            value = _calibrate_cpu(torch_dtype)
+            disk[disk_key] = value
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path + f".{os.getpid()}.tmp", "w") as f:
+                    json.dump(disk, f)
+                os.replace(path + f".{os.getpid()}.tmp", path)
+            except OSError:
+                pass  # a read-only home only costs a recalibration next process
     _CPU_PEAK_CACHE[cache_key] = value
     return value
 
@@ -331,13 +385,42 @@ def _to_fake(x: Any, mode: Any) -> Any:
     return x
 
 
-def flop_counter() -> Any:
-    """A ``FlopCounterMode`` that also counts CPU flash attention.
+def _local_shapes(formula: Callable[..., int]) -> Callable[..., int]:
+    """Run a registry formula on each DTensor argument's local shard, so every rank counts its own work.
 
-    torch's registry (checked on 2.6–2.13) has no formula for
-    ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, so SDPA on CPU tensors
-    would count 0 FLOPs; we map them to torch's own ``sdpa_flop_count`` /
-    ``sdpa_backward_flop_count`` (same formula as the CUDA flash kernels).
+    FlopCounterMode sees a DTensor op before DTensor dispatches it to the local shards (a mode runs
+    before a tensor subclass), so torch's formulas would count a tensor-parallel matmul at its full
+    (global) size on every TP rank. ``_local_tensor`` is DTensor's shard (no public accessor that
+    does not record autograd; checked on torch 2.6-2.13).
+    """
+    from torch.utils._pytree import tree_map
+
+    def local(x: Any) -> Any:
+        inner = getattr(x, "_local_tensor", None)
+        return inner if isinstance(inner, torch.Tensor) else x
+
+    def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+        return formula(*tree_map(local, args), out_val=tree_map(local, out_val), **tree_map(local, kwargs))
+
+    counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors, not shapes
+    return counted
+
+
+def flop_counter() -> Any:
+    """A ``FlopCounterMode`` that counts each rank's local work and CPU flash attention.
+
+    - DTensor arguments are counted at their local shard's shape (:func:`_local_shapes`), so under
+      tensor parallelism the ranks' counts add up to the one-process count instead of TP times it
+      (before: 1.85x too many FLOPs per rank under ``hsdp_tp``).
+    - torch's registry (checked on 2.6–2.13) has no formula for
+      ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, so SDPA on CPU tensors
+      would count 0 FLOPs; we map them to torch's own ``sdpa_flop_count`` /
+      ``sdpa_backward_flop_count`` (same formula as the CUDA flash kernels).
+
+    >>> with flop_counter() as c:
+    ...     _ = torch.ones(2, 3) @ torch.ones(3, 4)
+    >>> c.get_total_flops()
+    48
     """
     from torch.utils import flop_counter as fc
 
@@ -346,10 +429,12 @@ def flop_counter() -> Any:
     fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     if fwd is not None and fwd not in fc.flop_registry:
-        extra[fwd] = lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v)
+        extra[fwd] = fc.shape_wrapper(lambda q, k, v, *args, out_shape=None, **kw: fc.sdpa_flop_count(q, k, v))
     if bwd is not None and bwd not in fc.flop_registry:
-        extra[bwd] = lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v)
-    return fc.FlopCounterMode(display=False, custom_mapping=extra)
+        extra[bwd] = fc.shape_wrapper(
+            lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v))
+    registry = {**fc.flop_registry, **extra}
+    return fc.FlopCounterMode(display=False, custom_mapping={op: _local_shapes(f) for op, f in registry.items()})
 
 
 def measure_step_flops(model: torch.nn.Module, *inputs: Any,

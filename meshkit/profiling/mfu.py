@@ -1,9 +1,13 @@
 """MFUMonitor: a Lightning callback for MFU, HFU, throughput and where the rest of the step went.
 
-Per step (cheap: a few clock reads, one device sync on GPU) it measures the step's wall time
-split into data-loader wait, forward + backward and optimizer step; every ``profile_every``
-steps a short ``torch.profiler`` window adds what only a trace shows (exposed communication,
-pipeline bubble, idle), and that window's ratios carry over to the following steps.
+Per step (cheap: a few clock reads, no device sync on GPU) it measures the step's wall time
+split into disjoint phases: the gap since the previous batch (validation, checkpointing, the
+monitor's own profiler overhead, and the rest: data-loader wait), forward + backward and the
+optimizer step. Every ``profile_every`` batches a short ``torch.profiler`` window
+(:class:`~meshkit.profiling.window.ProfilerWindows`) adds what only a trace shows inside forward +
+backward (exposed communication, pipeline bubble, host idle; see
+:mod:`meshkit.profiling.overlap` for the step model and its precedence); the window's batches
+use their own trace, and later batches carry the window's figures over.
 
 Definitions (numbers say what they count):
 
@@ -15,9 +19,10 @@ Definitions (numbers say what they count):
 - Tokens are counted once per data-parallel replica: the local batch's tokens × (dp_replicate ·
   dp_shard), read from ``trainer.strategy.parallel_dims.degrees`` when the strategy has one
   (tp, cp and pp ranks share a replica's tokens and its FLOPs), else × world size (plain DDP).
-- The breakdown: ``compute + recompute + exposed_comm + bubble + data_wait + optimizer + other
-  = 1`` (fractions of the step, each ≥ 0). Recompute gets the share of forward+backward
-  compute time equal to its share of hardware FLOPs.
+- The breakdown: the fractions of :data:`~meshkit.profiling.report.BREAKDOWN_PARTS` (compute,
+  recompute, exposed_comm, bubble, data_wait, optimizer, validation, checkpoint,
+  profiler_overhead, other), each ≥ 0, summing to 1 because the phases partition the step.
+  Recompute gets the share of forward+backward compute time equal to its share of hardware FLOPs.
 
 Example::
 
@@ -29,7 +34,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import time
@@ -42,8 +46,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from meshkit.modelspec import find_config
-from meshkit.profiling.flops import flop_counter, model_flops_per_token, normalize_dtype, peak_info
+from meshkit.profiling.flops import cpu_peak_key, flop_counter, model_flops_per_token, normalize_dtype, peak_info
 from meshkit.profiling.report import BREAKDOWN_PARTS, SCALAR_PREFIX, points_lost, write_layout, write_window
+from meshkit.profiling.window import ProfilerWindows, WindowSteps
 
 __all__ = ["MFUMonitor", "StepMetrics", "mesh_factors", "batch_tokens", "split_step"]
 
@@ -75,66 +80,89 @@ def mesh_factors(strategy: Any, world_size: int) -> tuple[int, int]:
     return dp, world_size
 
 
-def batch_tokens(batch: Any) -> int:
-    """Tokens in one local batch: ``input_ids`` of a dict batch, else the first tensor's element count."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.numel())
+def _token_tensor(batch: Any) -> tuple[Any, bool]:
+    """(the tensor that holds the batch's tokens, whether it carries the shifted label column)."""
     if isinstance(batch, Mapping):
-        if "input_ids" in batch and isinstance(batch["input_ids"], torch.Tensor):
-            return int(batch["input_ids"].numel())
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return batch["input_ids"], False
         batch = list(batch.values())
     if isinstance(batch, (list, tuple)):
-        for item in batch:
-            if isinstance(item, torch.Tensor):
-                return int(item.numel())
-    raise ValueError(f"MFUMonitor: cannot count tokens in a batch of type {type(batch).__name__}; "
-                     "pass `tokens_fn=lambda batch: <tokens in it>`.")
+        batch = next((item for item in batch if isinstance(item, torch.Tensor)), None)
+    if isinstance(batch, torch.Tensor):
+        # a bare 2-D integer batch is (B, T + 1) tokens: the inputs and the label shifted by one
+        return batch, batch.dim() == 2 and not batch.is_floating_point() and batch.shape[-1] > 1
+    return None, False
+
+
+def batch_tokens(batch: Any) -> int:
+    """Tokens trained on in one local batch: ``input_ids`` of a dict batch; a bare 2-D integer (B, T + 1)
+    token tensor counts B·T (its last column is only a label); else the first tensor's element count.
+
+    >>> batch_tokens(torch.zeros(4, 129, dtype=torch.long)), batch_tokens({"input_ids": torch.zeros(4, 128)})
+    (512, 512)
+    """
+    tensor, shifted = _token_tensor(batch)
+    if tensor is None:
+        raise ValueError(f"MFUMonitor: cannot count tokens in a batch of type {type(batch).__name__}; "
+                         "pass `tokens_fn=lambda batch: <tokens in it>`.")
+    return int(tensor[..., :-1].numel()) if shifted else int(tensor.numel())
 
 
 def _batch_seq_len(batch: Any) -> int | None:
-    if isinstance(batch, Mapping):
-        batch = batch.get("input_ids", next(iter(batch.values()), None))
-    if isinstance(batch, (list, tuple)):
-        batch = next((b for b in batch if isinstance(b, torch.Tensor)), None)
-    return int(batch.shape[-1]) if isinstance(batch, torch.Tensor) and batch.dim() >= 1 else None
+    """T for the attention term: the trained sequence length (without the label shift)."""
+    tensor, shifted = _token_tensor(batch)
+    if tensor is None or tensor.dim() < 1:
+        return None
+    return int(tensor.shape[-1]) - (1 if shifted else 0)
 
 
 @dataclass
 class _Window:
-    """Per-step means of the latest profiled window (ms)."""
+    """What a profiled window says about forward+backward, per batch (ms)."""
 
     step: int
     fwd_bwd_ms: float
+    """Forward+backward time of the batches the figures below were measured on."""
     exposed_ms: float
     bubble_ms: float
     other_ms: float
+    """Host time between ops inside forward+backward (no op, no collective in flight)."""
 
 
 def split_step(step_ms: float, data_ms: float, fwd_bwd_ms: float, optimizer_ms: float,
-               window: _Window | None, recompute_share: float) -> dict[str, float]:
-    """The step's wall time as fractions of the seven parts (≥ 0, summing to 1).
+               window: _Window | None, recompute_share: float, *, validation_ms: float = 0.0,
+               checkpoint_ms: float = 0.0, profiler_ms: float = 0.0) -> dict[str, float]:
+    """The step's wall time as fractions of :data:`~meshkit.profiling.report.BREAKDOWN_PARTS` (≥ 0, sum 1).
 
-    Exposed comm, bubble and other idle come from the latest profiled window (scaled with the
-    forward+backward time); what is left of forward+backward is compute, of which
-    ``recompute_share`` is recompute.
+    The timers give data wait, validation, checkpointing, the monitor's own profiler overhead,
+    forward+backward and optimizer (disjoint phases of the step). Inside forward+backward the
+    latest window says how much was exposed comm and bubble (carried in ms: a profiler slows
+    the recorded ops, not the time spent waiting) and host time between ops (carried as a share
+    of forward+backward, since the profiler slows that like the ops); compute is the rest, of
+    which ``recompute_share`` is recompute. Anything the phases leave of ``step_ms`` is other.
+
+    >>> f = split_step(100, 10, 70, 20, None, 0.0)
+    >>> f["compute"], f["data_wait"], f["optimizer"]
+    (0.7, 0.1, 0.2)
     """
     parts = dict.fromkeys(BREAKDOWN_PARTS, 0.0)
     if step_ms <= 0:
         return parts
     fb = max(fwd_bwd_ms, 0.0)
-    lost = [0.0, 0.0, 0.0]
-    if window is not None and window.fwd_bwd_ms > 0:
-        scale = fb / window.fwd_bwd_ms
-        lost = [window.exposed_ms * scale, window.bubble_ms * scale, window.other_ms * scale]
-        if sum(lost) > fb:
-            lost = [x * fb / sum(lost) for x in lost]
-    rest = fb - sum(lost)
-    ms = {"compute": rest * (1 - recompute_share), "recompute": rest * recompute_share,
-          "exposed_comm": lost[0], "bubble": lost[1], "data_wait": max(data_ms, 0.0),
-          "optimizer": max(optimizer_ms, 0.0)}
-    ms["other"] = max(step_ms - sum(ms.values()), 0.0)  # the window's idle (lost[2]) + any timer gap
+    exposed = bubble = idle = 0.0
+    if window is not None:
+        exposed = min(max(window.exposed_ms, 0.0), fb)
+        bubble = min(max(window.bubble_ms, 0.0), fb - exposed)
+        share = window.other_ms / window.fwd_bwd_ms if window.fwd_bwd_ms > 0 else 0.0
+        idle = min(max(share, 0.0) * fb, fb - exposed - bubble)
+    rest = fb - exposed - bubble - idle
+    ms = {"compute": rest * (1 - recompute_share), "recompute": rest * recompute_share, "exposed_comm": exposed,
+          "bubble": bubble, "data_wait": max(data_ms, 0.0), "optimizer": max(optimizer_ms, 0.0),
+          "validation": max(validation_ms, 0.0), "checkpoint": max(checkpoint_ms, 0.0),
+          "profiler_overhead": max(profiler_ms, 0.0), "other": idle}
+    ms["other"] += max(step_ms - sum(ms.values()), 0.0)
     total = sum(ms.values())
-    return {k: v / total for k, v in ms.items()} if total > 0 else parts
+    return {k: ms[k] / total for k in BREAKDOWN_PARTS} if total > 0 else parts
 
 
 @dataclass
@@ -213,7 +241,8 @@ class MFUMonitor(Callback):
         flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the config the module
             holds (:func:`meshkit.modelspec.find_config`: ``config``, ``model.config``, ...), else 3 × the
             measured forward.
-        seq_len: T for the attention term; default the batch's last dimension.
+        seq_len: T for the attention term; default the batch's last dimension (minus the label
+            column of a bare (B, T + 1) token tensor).
         tokens_fn: ``batch -> tokens`` in one local batch; default :func:`batch_tokens`.
         measure_flops: count hardware FLOPs with ``FlopCounterMode`` on training batch
             ``flop_count_batch`` (that step is not timed).
@@ -270,24 +299,26 @@ class MFUMonitor(Callback):
         self._t_start = 0.0
         self._counting: Any = None
         self._fwd_flops = 0.0
-        self._counted_step = False
         self._model_per_token: float | None = None  # global model FLOPs per global token
         self._hw_factor = 1.0
         self._fwd_model_per_token: float | None = None
         self.measured_flops: dict[str, float] = {}
         self._recompute_share = 0.0
-        self._prof: Any = None
-        self._prof_steps = 0
-        self._prof_first = 0
-        self._next_window = self.profile_start
-        self._window_t0 = 0.0
-        self.profile_windows: list[dict[str, float]] = []
-        self._window_data_ms: list[float] = []
-        self._window_fb_ms: list[float] = []
+        self._win: ProfilerWindows | None = None
+        self._in_window: dict[int, dict[str, float]] = {}  # batch -> its trace buckets (ms), last window
+        self.window_summaries: list[dict[str, Any]] = []
+        self._gap = dict.fromkeys(("validation", "checkpoint", "profiler_overhead"), 0.0)  # s since the last batch
+        self._phase_t0: dict[str, float] = {}
         self._pending: list[StepMetrics] = []
-        self._unread: list[tuple[int, float, float, _Clock, bool]] = []
+        self._unread: list[tuple[int, float, dict[str, float], _Clock, bool]] = []
         self._plain_step_s: deque[float] = deque(maxlen=64)  # recent steps outside profiler windows
         self._log_dir: str | None = None
+        self._trainer_save: Any = None
+
+    @property
+    def profile_windows(self) -> list[dict[str, float]]:
+        """Per finished window: its first batch, cost (s, slowest rank), step time (s) and next window's batch."""
+        return self._win.history if self._win is not None else []
 
     # ------------------------------------------------------------------ setup
 
@@ -311,10 +342,39 @@ class MFUMonitor(Callback):
             name = torch.cuda.get_device_name(self._device) if self._device.type == "cuda" else "cpu"
             info = peak_info(name, dtype)
             self._peak, self.peak_source = info.flops, f"{info.kind}: {info.row} {info.dtype} ({info.source})"
+            if info.kind == "measured":  # which calibration: CPU model, cores, dtype, threads, torch
+                self.peak_source += f", {info.flops / 1e9:.1f} GFLOP/s [{cpu_peak_key(info.dtype)}]"
+        self._win = ProfilerWindows(self.trace_dir, self._rank, self.profile_every, self.profile_start,
+                                    self.profile_steps, self.profile_budget, cuda=self._device.type == "cuda",
+                                    metadata={"meshkit_peak": {"flops": self._peak, "source": self.peak_source}})
+        self._wrap_save_checkpoint(trainer)
         if trainer.is_global_zero and self.profile_every:
             writer = self._writer(trainer)
             if writer is not None:
                 write_layout(writer)
+
+    def _wrap_save_checkpoint(self, trainer: Any) -> None:
+        """Time ``trainer.save_checkpoint`` (checkpointing has no end hook) and mark it in windows."""
+        if self._trainer_save is not None or not hasattr(trainer, "save_checkpoint"):
+            return
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            self._phase_begin("checkpoint")
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._phase_end("checkpoint")
+
+        self._trainer_save = (trainer, original)
+        trainer.save_checkpoint = save_checkpoint
+
+    @override
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._trainer_save is not None:
+            owner, _ = self._trainer_save
+            owner.__dict__.pop("save_checkpoint", None)  # the class's method again
+            self._trainer_save = None
 
     @staticmethod
     def _precision_dtype(trainer: Any) -> str:
@@ -334,21 +394,46 @@ class MFUMonitor(Callback):
 
     # ------------------------------------------------------------------ per-step hooks
 
+    def _phase_begin(self, phase: str) -> None:
+        self._phase_t0[phase] = time.perf_counter()
+        if self._win is not None:
+            self._win.mark_begin(phase)
+
+    def _phase_end(self, phase: str) -> None:
+        t0 = self._phase_t0.pop(phase, None)
+        if self._win is not None:
+            self._win.mark_end(phase)
+        if t0 is not None and phase in self._gap:
+            self._gap[phase] += time.perf_counter() - t0
+
     @override
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._prev_end = time.perf_counter()
+        self._gap = dict.fromkeys(self._gap, 0.0)
+
+    @override
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._phase_begin("validation")
+
+    @override
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._phase_end("validation")
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        b = self._batches
+        if self._win is not None and self._win.due(b) and b != self.flop_count_batch and self._window_fits(trainer):
+            t0 = time.perf_counter()
+            self._win.start(b)
+            self._gap["profiler_overhead"] += time.perf_counter() - t0
         self._t_start = time.perf_counter()
         self._clock = _Clock(self._device)
         self._clock.mark("start")
-        b = self._batches
-        if self.profile_every and b >= self._next_window and self._prof is None and b != self.flop_count_batch \
-                and self._window_fits(trainer):
-            self._window_t0 = time.perf_counter()
-            self._start_window()
-        if self.measure_flops and b == self.flop_count_batch and self._prof is None:
+        if self._win is not None:
+            self._win.mark_begin("forward_backward")
+        if self.measure_flops and b == self.flop_count_batch and not (self._win and self._win.active):
             self._counting = flop_counter()
             self._counting.__enter__()
         if self._model_per_token is None and (b > self.flop_count_batch or not self.measure_flops):
@@ -364,6 +449,9 @@ class MFUMonitor(Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._clock is not None:
             self._clock.mark("opt")
+        if self._win is not None:
+            self._win.mark_end("forward_backward")
+            self._win.mark_begin("optimizer")
         if self._counting is not None:
             total = float(self._counting.get_total_flops())
             self._counting.__exit__(None, None, None)
@@ -381,33 +469,39 @@ class MFUMonitor(Callback):
         if clock is not None:
             clock.mark("end")
         now = time.perf_counter()
-        data_ms = 1e3 * (self._t_start - self._prev_end) if self._prev_end is not None else 0.0
-        self._prev_end = now
+        gap_s = self._t_start - self._prev_end if self._prev_end is not None else 0.0
+        gap = {k: 1e3 * v for k, v in self._gap.items()}
+        gap["data_wait"] = max(1e3 * gap_s - sum(gap.values()), 0.0)
+        self._gap = dict.fromkeys(self._gap, 0.0)
         b = self._batches
         self._batches += 1
-        in_window = self._prof is not None
-        if self._prof is not None:
-            self._window_data_ms.append(data_ms)
-            self._window_fb_ms.append(clock.phases_ms()[0] if clock else 0.0)  # a sync: the window profiles anyway
-            self._prof.step()
-            self._prof_steps += 1
-            if self._prof_steps >= 1 + self.profile_steps:
-                self._end_window(trainer, b)
+        win = self._win
+        in_window = win is not None and win.active
         if clock is not None and not (b == self.flop_count_batch and self.measure_flops):
             # (the FLOP-counted step is slow by design: not a measurement)
-            self._unread.append((b, self._global_tokens(batch), data_ms, clock, in_window))
-        self._read_steps(trainer, keep=1 if clock is not None and clock.deferred else 0)
+            self._unread.append((b, self._global_tokens(batch), gap, clock, in_window))
+        if in_window:
+            t0 = time.perf_counter()
+            win.mark_end_all()
+            if win.step():
+                self._end_window(trainer)
+            self._gap["profiler_overhead"] += time.perf_counter() - t0
+            self._read_steps(trainer, keep=0 if not win.active else len(self._unread))
+        else:
+            self._read_steps(trainer, keep=1 if clock is not None and clock.deferred else 0)
+        self._prev_end = now  # the window's own work after it is profiler_overhead of the next gap
 
     def _read_steps(self, trainer: Any, keep: int = 0) -> None:
-        """Record the steps whose clocks are read, leaving the newest ``keep`` (deferred GPU reads)."""
+        """Record the steps whose clocks are read, leaving the newest ``keep`` (deferred GPU reads,
+        or the batches of a window whose trace is not read yet)."""
         while len(self._unread) > keep:
-            b, tokens, data_ms, clock, in_window = self._unread.pop(0)
+            b, tokens, gap, clock, in_window = self._unread.pop(0)
             fb_ms, opt_ms = clock.phases_ms()
-            step_ms = data_ms + fb_ms + opt_ms
+            step_ms = sum(gap.values()) + fb_ms + opt_ms
             if not in_window:
                 self._plain_step_s.append(step_ms / 1e3)
             if self._model_per_token is not None and step_ms > 0:
-                self._record(trainer, b, tokens, step_ms, data_ms, fb_ms, opt_ms)
+                self._record(trainer, b, tokens, step_ms, gap, fb_ms, opt_ms)
 
     # ------------------------------------------------------------------ FLOPs
 
@@ -454,82 +548,53 @@ class MFUMonitor(Callback):
         return not (isinstance(max_steps, int) and max_steps > 0
                     and max_steps - trainer.global_step < 1 + self.profile_steps)
 
-    def _start_window(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, schedule
-
-        activities = [ProfilerActivity.CPU]
-        if self._device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        os.makedirs(self.trace_dir, exist_ok=True)
-        self._prof_first = self._batches
-        self._prof = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=self.profile_steps,
-                                                                      repeat=1),
-                             on_trace_ready=self._save_trace, record_shapes=False, with_stack=False)
-        self._prof_steps = 0
-        self._window_data_ms, self._window_fb_ms = [], []
-        self._prof.start()
-
-    def _trace_path(self, first: int) -> str:
-        return os.path.join(self.trace_dir, f"rank{self._rank}.{first}.pt.trace.json")
-
-    def _save_trace(self, prof: Any) -> None:
-        prof.export_chrome_trace(self._trace_path(self._prof_first))
-
-    def _end_window(self, trainer: Any, batch_idx: int) -> None:
-        self._prof.stop()
-        self._prof = None
-        window = self._analyze_window(self._trace_path(self._prof_first))
-        if window is not None:
-            self.windows.append(window)
+    def _end_window(self, trainer: Any) -> None:
+        """Stop the window, parse this rank's trace, record its batches with it, write the summary."""
+        win = self._win
+        steps = win.stop()
+        self._in_window = {}
+        if steps is not None:
+            self._in_window = dict(zip(steps.batches, steps.buckets_ms))
+            tl_bubble = self._timeline_bubble_ms()
+            if tl_bubble is not None:
+                for v in self._in_window.values():
+                    v["bubble"] = tl_bubble
+        self._read_steps(trainer)  # the window's batches, each with its own trace buckets (a sync on GPU)
         trainer.strategy.barrier("meshkit_mfu_window")  # every rank's trace of this window is on disk
-        if trainer.is_global_zero:
-            self._write_window(trainer, self._prof_first)
+        summary = self._window_summary(steps)
+        if summary is not None:
+            self.window_summaries.append(summary)
+            if trainer.is_global_zero:
+                self._write_window(trainer, summary, steps)
         # after rank 0's writing, which every rank would wait for at its next collective anyway
         self._schedule_next_window(trainer)
+
+    def _window_summary(self, steps: WindowSteps | None) -> dict[str, Any] | None:
+        """One breakdown of the window's own batches: the numbers its table, waterfall and scalars show."""
+        if steps is None:
+            return None
+        mine = [m for m in self.history if m.step in self._in_window]
+        if not mine:
+            return None
+        total_s = sum(m.step_time_s for m in mine)
+        fractions = {p: sum(m.breakdown[p] * m.step_time_s for m in mine) / total_s for p in BREAKDOWN_PARTS}
+        return {"first": steps.first, "batches": [m.step for m in mine], "breakdown": fractions,
+                "mfu": sum(m.mfu * m.step_time_s for m in mine) / total_s, "step_time_s": total_s / len(mine),
+                "trace_buckets_ms": {k: steps.mean(k) for k in steps.buckets_ms[0]}}
 
     def _schedule_next_window(self, trainer: Any) -> None:
         """Measure what this window cost and agree with every rank on the batch of the next one."""
         recent = sorted(self._plain_step_s or [m.step_time_s for m in list(self.history)[-64:]])
         step_s = recent[len(recent) // 2] if recent else 0.0
-        cost = time.perf_counter() - self._window_t0 - (1 + self.profile_steps) * step_s
-        agreed = torch.tensor([max(cost, 0.0), step_s], dtype=torch.float64)
+        agreed = torch.tensor([self._win.cost_s(step_s), step_s], dtype=torch.float64)
         if self._world > 1:
             dev = self._device if self._device.type == "cuda" else torch.device("cpu")
             agreed = trainer.strategy.reduce(agreed.to(dev), reduce_op="max").cpu()
-        cost, step_s = float(agreed[0]), float(agreed[1])
-        gap = self.profile_every
-        if self.profile_budget is not None and step_s > 0:
-            gap = max(gap, math.ceil(cost / (self.profile_budget * step_s)))
-        self._next_window = self._prof_first + gap
-        self.profile_windows.append({"batch": self._prof_first, "cost_s": cost, "step_s": step_s,
-                                     "next_batch": self._next_window})
-
-    def _analyze_window(self, path: str) -> _Window | None:
-        from meshkit.profiling.overlap import rank_step_metrics
-        from meshkit.profiling.trace import _build, load_trace
-
-        if not os.path.exists(path):
-            return None
-        sink, meta, problems = load_trace(path)
-        rt = _build(self._rank, [path], [sink], [meta], problems)
-        if rt.step_windows.shape[0] == 0:
-            return None
-        m = rank_step_metrics(rt)
-        n = rt.step_windows.shape[0]
-        mean = lambda k: float(m[k].sum()) / n / 1e3 if k in m else 0.0  # noqa: E731  µs -> ms
-        bubble = mean("bubble")
-        tl_bubble = self._timeline_bubble_ms()
-        if tl_bubble is not None:
-            bubble = tl_bubble
-        active_data = self._window_data_ms[1:] or self._window_data_ms
-        active_fb = self._window_fb_ms[1:] or self._window_fb_ms
-        data = sum(active_data) / max(len(active_data), 1)
-        fb = sum(active_fb) / max(len(active_fb), 1)
-        other = max(mean("idle") - bubble - data, 0.0)
-        return _Window(self._prof_first, fb, mean("exposed_comm"), bubble, other)
+        self._win.schedule(float(agreed[0]), float(agreed[1]))
 
     def _timeline_bubble_ms(self) -> float | None:
-        from meshkit.profiling.bubble import find_timeline_dir, read_timeline
+        from meshkit.profiling.bubble import measured_bubble
+        from meshkit.timeline import find_timeline_dir, read_timeline
 
         if not self._log_dir or not os.path.isdir(self._log_dir):
             return None
@@ -543,54 +608,76 @@ class MFUMonitor(Callback):
         steps = sorted({r.step for r in records})[-self.profile_steps:]
         if not steps:
             return None
-        from meshkit.profiling.bubble import measured_bubble
-
         m = measured_bubble([r for r in records if r.step in steps])
         rank = m.per_rank.get(self._rank)
         return rank.idle_ns / 1e6 / len(steps) if rank else None
 
-    def _write_window(self, trainer: Any, first: int) -> None:
+    def _write_window(self, trainer: Any, summary: dict[str, Any], steps: WindowSteps) -> None:
         writer = self._writer(trainer)
-        if writer is None or not self.history:
+        if writer is None:
             return
-        from meshkit.profiling.overlap import analyze
+        from meshkit.profiling.overlap import analyze_window
+        from meshkit.profiling.trace import load_rank_trace
 
-        files = sorted(glob.glob(os.path.join(self.trace_dir, f"rank*.{first}.pt.trace.json")))
+        first = summary["first"]
+        ranks = {self._rank: steps.trace}  # this rank's trace is parsed already; the others once each here
+        for r in range(self._world):
+            if r != self._rank and os.path.exists(self._win.path(first, r)):
+                ranks[r] = load_rank_trace(self._win.path(first, r), r)
         try:
-            overlap = analyze(files) if files else None
+            overlap = analyze_window({r: t for r, t in ranks.items() if t is not None and t.step_windows.size})
         except ValueError:
             overlap = None
         gantt = None
         try:
-            from meshkit.profiling.bubble import find_timeline_dir, gantt_figure, read_timeline
+            from meshkit.profiling.bubble import gantt_figure
+            from meshkit.timeline import find_timeline_dir, read_timeline
 
             tdir = find_timeline_dir(self._log_dir) if self._log_dir else None
             if tdir:
                 gantt = gantt_figure(read_timeline(tdir), title=f"pipeline timeline (last step before {first})")
         except ValueError:
             gantt = None
-        last = self.history[-1]
-        write_window(writer, trainer.global_step, last.breakdown, last.mfu, last.step_time_s, overlap, gantt)
+        write_window(writer, trainer.global_step, summary["breakdown"], summary["mfu"], summary["step_time_s"],
+                     overlap, gantt, title=f"MFU breakdown, rank {self._rank}, window of batches "
+                     f"{summary['batches'][0]}-{summary['batches'][-1]}", peak_source=self.peak_source)
 
     # ------------------------------------------------------------------ metrics
 
-    def _record(self, trainer: Any, b: int, tokens: float, step_ms: float, data_ms: float, fb_ms: float,
+    def _record(self, trainer: Any, b: int, tokens: float, step_ms: float, gap: dict[str, float], fb_ms: float,
                 opt_ms: float) -> None:
         t = step_ms / 1e3
         model = self._model_per_token * tokens
         hw = model * self._hw_factor
         denom = t * self._world * self._peak
-        window = self.windows[-1] if self.windows else None
+        own = self._in_window.get(b)
+        if own is not None:  # a profiled batch: its own trace
+            window = _Window(b, fb_ms, own["exposed_comm"], own["bubble"], own["other"])
+        else:
+            window = self.windows[-1] if self.windows else None
         metrics = StepMetrics(
             step=b, step_time_s=t, mfu=model / denom, hfu=hw / denom,
             tflops_per_device=model / self._world / t / 1e12, hardware_tflops_per_device=hw / self._world / t / 1e12,
             tokens_per_s=tokens / t, tokens_per_s_per_device=tokens / t / self._world,
-            breakdown=split_step(step_ms, data_ms, fb_ms, opt_ms, window, self._recompute_share),
+            breakdown=split_step(step_ms, gap["data_wait"], fb_ms, opt_ms, window, self._recompute_share,
+                                 validation_ms=gap["validation"], checkpoint_ms=gap["checkpoint"],
+                                 profiler_ms=gap["profiler_overhead"]),
         )
         self.history.append(metrics)
         self._pending.append(metrics)
+        if own is not None and b == max(self._in_window):
+            self.windows.append(self._carried_window())
         if len(self._pending) >= (self.log_every or 1):
             self._flush(trainer)
+
+    def _carried_window(self) -> _Window:
+        """What later batches take from the window: its batches' mean exposed comm, bubble and host idle."""
+        mine = [(m, self._in_window[m.step]) for m in self.history if m.step in self._in_window]
+        n = max(len(mine), 1)
+        fb = sum(m.step_time_s * (m.breakdown["compute"] + m.breakdown["recompute"] + m.breakdown["exposed_comm"]
+                                  + m.breakdown["bubble"] + m.breakdown["other"]) for m, _ in mine) * 1e3 / n
+        mean = lambda k: sum(m.step_time_s * m.breakdown[k] for m, _ in mine) * 1e3 / n  # noqa: E731
+        return _Window(max(self._in_window), fb, mean("exposed_comm"), mean("bubble"), mean("other"))
 
     def _flush(self, trainer: Any) -> None:
         if not self._pending:
@@ -607,12 +694,9 @@ class MFUMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self._prof is not None:  # an unfinished window (e.g. max_epochs ended it): drop its trace
-            self._prof.stop()
-            self._prof = None
-            path = self._trace_path(self._prof_first)
-            if os.path.exists(path):
-                os.remove(path)
+        if self._win is not None and self._win.active:  # an unfinished window (e.g. max_epochs ended it)
+            self._win.discard()
+            self._unread = [u[:4] + (False,) for u in self._unread]
         if self._counting is not None:
             self._counting.__exit__(None, None, None)
             self._counting = None

@@ -1,17 +1,42 @@
-"""Communication/compute overlap, exposed communication, idle time and stragglers per rank and step.
+"""The step-time model, communication/compute overlap and stragglers per rank and step.
 
-Definitions (per rank, per step window; all from merged intervals, so nested or concurrent
-events are never counted twice):
+**The step-time model.** Each wall-clock interval of each rank's profiled step belongs to exactly
+one bucket, the first of this precedence that claims it (so the buckets sum to the step time by
+construction, not by normalisation):
 
-- ``compute``: time covered by compute (kernels, or aten ops on the training thread on CPU).
-- ``comm``: time covered by communication (NCCL kernels, or ``gloo:*`` spans).
-- ``overlapped_comm = |compute ∩ comm|``; ``overlap_pct = 100 · overlapped_comm / comm``
-  (Holistic Trace Analysis' definition); ``exposed_comm = comm − overlapped_comm``.
-- ``idle``: window length minus the time covered by compute, comm or memory operations.
-- ``bubble``: window length minus the time covered by ``PP:*`` pipeline actions (only when the
-  run recorded them); the timeline-record bubble comes from :mod:`meshkit.profiling.bubble`.
-- stragglers: the k-th instance of a collective on every rank is one collective; the rank whose
-  instance started last "arrived" last, late by (its start − the earliest start).
+- CPU / gloo traces (the main thread's timeline, :data:`CPU_PRECEDENCE`): ``validation``,
+  ``checkpoint`` (meshkit's ``meshkit:validation`` / ``meshkit:checkpoint`` spans), ``data_wait``
+  (``enumerate(DataLoader)#*`` spans, and with meshkit's markers everything in the step outside
+  forward+backward, optimizer, validation and checkpoint: fetching the batch and the loop's own
+  work), ``bubble`` (outside ``PP:*`` actions, only where the trace has them), ``exposed_comm``
+  (explicit wait ops such as ``_c10d_functional::wait_tensor`` anywhere, and inside
+  forward+backward every moment a ``gloo:*`` collective of this rank is in flight while the main
+  thread runs no operator: FSDP's and DDP's ``work.wait()`` is not an op, so this is how a
+  blocked hook or autograd node shows), ``compute`` (operators inside forward+backward),
+  ``optimizer`` (``meshkit:optimizer``, else torch's ``Optimizer.step#*`` / ``zero_grad#*``),
+  ``other`` (the rest: Python between ops, a rank's own sleep).
+- CUDA / NCCL traces (the device timeline, :data:`CUDA_PRECEDENCE`): ``exposed_comm`` (NCCL
+  kernels not overlapped by compute kernels), ``compute`` (other kernels, except those launched
+  in the optimizer phase), ``optimizer`` (those, and device idle while the host is in the
+  optimizer phase), then device idle by what the host was doing: ``validation``, ``checkpoint``,
+  ``data_wait``; ``other`` the rest (launch gaps, memcpy).
+
+**Overlap** (HTA's definitions, per rank and step, from merged intervals):
+``overlapped_comm = |compute ∩ comm|``, ``overlap_pct = 100 · overlapped_comm / comm``,
+``exposed_comm = comm − overlapped_comm`` (this is comm not hidden by compute on the whole step,
+which differs from the step model's blocked time), ``idle = window − |compute ∪ comm ∪ memory|``,
+``bubble = window − |PP:* spans|``.
+
+**Stragglers.** A collective instance is matched across ranks by when it *ends* (every member of
+a process group leaves a collective together; the same name, overlapping, ends within
+``max(1 ms, 5 %)``), so the groups (the member sets) come out of the trace itself, and the k-th
+all-reduce of the TP group is never matched with one of the DP group. The member that started it
+last arrived last, late by its start − the earliest start. The noise floor is the run's own
+jitter: ``median + 8 · 1.4826 · MAD`` of every instance's lateness (with at least 10 instances,
+else ``min_lateness_ms``). A rank waiting in a late instance waits for its last arrival, or, when
+that rank was itself blocked in a late collective just before it arrived, for whoever that one
+waited for (followed down the chain): ``waiting_for_ms`` per rank. A rank is named the straggler
+when the waits it caused exceed twice the noise floor in every profiled step.
 
 Example::
 
@@ -23,8 +48,8 @@ Example::
     >>> with open(os.path.join(d, "rank0.pt.trace.json"), "w") as f:
     ...     json.dump({"distributedInfo": {"rank": 0, "world_size": 1}, "traceEvents": ev}, f)
     >>> r = analyze(d)["ranks"]["0"]
-    >>> r["overlap_pct"], r["exposed_comm_ms"], r["idle_ms"]
-    (50.0, 0.02, 0.02)
+    >>> r["overlap_pct"], r["exposed_comm_ms"], r["idle_ms"], r["buckets_ms"]["exposed_comm"]
+    (50.0, 0.02, 0.02, 0.02)
 """
 
 from __future__ import annotations
@@ -37,11 +62,71 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from meshkit.profiling.trace import Intervals, RankTrace, intersection_measure, load_rank_traces
+from meshkit.profiling.trace import Intervals, RankTrace, TraceWindow, intersection_measure, load_windows
 
-__all__ = ["rank_step_metrics", "find_stragglers", "analyze", "format_table", "configure_parser", "run_cli"]
+__all__ = ["CPU_PRECEDENCE", "CUDA_PRECEDENCE", "TRACE_BUCKETS", "step_claims", "step_buckets",
+           "rank_step_metrics", "match_collectives", "find_stragglers", "straggler_report", "analyze_window",
+           "analyze", "format_table", "configure_parser", "run_cli"]
 
 _US_PER_MS = 1000.0
+CPU_PRECEDENCE = ("validation", "checkpoint", "data_wait", "bubble", "exposed_comm", "compute", "optimizer")
+CUDA_PRECEDENCE = ("exposed_comm", "compute", "optimizer", "validation", "checkpoint", "data_wait")
+TRACE_BUCKETS = ("compute", "exposed_comm", "bubble", "data_wait", "optimizer", "validation", "checkpoint",
+                 "other")
+"""The buckets a trace can tell (the remainder of a step is ``other``). MFUMonitor adds
+``recompute`` (a share of compute) and ``profiler_overhead`` (its own time, outside any trace)."""
+_EMPTY = Intervals(np.empty(0), np.empty(0))
+
+
+# ------------------------------------------------------------------------------ step-time model
+
+
+def _first_claims(order: Sequence[str], sets: dict[str, Intervals]) -> list[tuple[str, Intervals]]:
+    """Each bucket keeps what no bucket before it in ``order`` claimed: disjoint sets."""
+    claimed, out = _EMPTY, []
+    for name in order:
+        part = sets.get(name, _EMPTY).minus(claimed) if len(claimed) else sets.get(name, _EMPTY)
+        out.append((name, part))
+        claimed = Intervals.union_of(claimed, part)
+    return out
+
+
+def step_claims(rt: RankTrace) -> list[tuple[str, Intervals]]:
+    """The step-time model of one rank: ``[(bucket, disjoint intervals)]`` in precedence order.
+
+    Time inside a step window that no bucket claims is ``other``.
+    """
+    ph = rt.phases
+    steps = Intervals.union(rt.step_windows[:, 0], rt.step_windows[:, 1]) if rt.step_windows.size else _EMPTY
+    host = rt.host_steps if len(rt.host_steps) else steps
+    marked = "forward_backward" in ph
+    named = Intervals.union_of(*[ph[k] for k in ("forward_backward", "optimizer", "validation", "checkpoint")
+                                 if k in ph]) if ph else _EMPTY
+    data = ph.get("data_wait", _EMPTY)
+    if marked:  # with meshkit's markers the rest of a step is the loop between batches
+        data = Intervals.union_of(data, host.minus(named))
+    if rt.shape == "cuda":
+        sets = {"exposed_comm": rt.comm.minus(rt.compute), "compute": rt.compute.minus(rt.optimizer_kernels),
+                "optimizer": Intervals.union_of(rt.optimizer_kernels, ph.get("optimizer", _EMPTY)),
+                "validation": ph.get("validation", _EMPTY), "checkpoint": ph.get("checkpoint", _EMPTY),
+                "data_wait": data}
+        return _first_claims(CUDA_PRECEDENCE, sets)
+    not_fb = Intervals.union_of(*[ph[k] for k in ("optimizer", "validation", "checkpoint") if k in ph], data) \
+        if ph else data
+    fb = ph["forward_backward"] if marked else steps.minus(not_fb)
+    sets = {"validation": ph.get("validation", _EMPTY), "checkpoint": ph.get("checkpoint", _EMPTY),
+            "data_wait": data, "bubble": fb.minus(rt.pipeline) if len(rt.pipeline) else _EMPTY,
+            "exposed_comm": Intervals.union_of(rt.waits, rt.comm.minus(rt.compute).intersect(fb)),
+            "compute": rt.compute.intersect(fb), "optimizer": ph.get("optimizer", _EMPTY)}
+    return _first_claims(CPU_PRECEDENCE, sets)
+
+
+def step_buckets(rt: RankTrace, claims: list[tuple[str, Intervals]] | None = None) -> dict[str, np.ndarray]:
+    """Per-step µs in each of :data:`TRACE_BUCKETS`; per step they sum to the step window's length."""
+    lo, hi = rt.step_windows[:, 0], rt.step_windows[:, 1]
+    out = {name: part.measure(lo, hi) for name, part in (claims if claims is not None else step_claims(rt))}
+    out["other"] = np.clip((hi - lo) - sum(out.values()), 0, None)
+    return {k: out.get(k, np.zeros(lo.shape)) for k in TRACE_BUCKETS}
 
 
 def rank_step_metrics(rt: RankTrace) -> dict[str, np.ndarray]:
@@ -62,53 +147,157 @@ def rank_step_metrics(rt: RankTrace) -> dict[str, np.ndarray]:
     return out
 
 
-def find_stragglers(ranks: dict[int, RankTrace], min_lateness_ms: float = 0.0) -> tuple[list[dict], list[str]]:
-    """Match the k-th instance of each collective across ranks and say who arrived last.
+# ------------------------------------------------------------------------------------ stragglers
 
-    Returns one entry per collective name, worst first: ``{"collective", "rank"`` (the rank most
-    often last, ties to the larger total lateness), ``"lateness_ms"`` (its mean lateness when
-    last), ``"max_lateness_ms"``, ``"times_last"``, ``"instances"}``; and problems (count mismatches).
+
+def match_collectives(ranks: dict[int, RankTrace]) -> list[dict[str, Any]]:
+    """Collective instances across ranks, matched by their common end: ``[{"collective", "members":
+    {rank: (start, end)}, "last", "lateness_ms"}]`` in start order (instances seen on one rank only
+    are left out)."""
+    spans = [(r, i, name, s, e) for r, rt in ranks.items() for i, (name, s, e, _) in enumerate(rt.collectives)]
+    by_name: dict[str, list[tuple[int, int, float, float]]] = {}
+    for r, i, name, s, e in spans:
+        by_name.setdefault(name, []).append((r, i, s, e))
+    instances = []
+    for name, items in by_name.items():
+        items.sort(key=lambda x: x[3])
+        ends = np.array([x[3] for x in items])
+        used: set[tuple[int, int]] = set()
+        for r, i, s, e in items:
+            if (r, i) in used:
+                continue
+            tol = max(1000.0, 0.05 * (e - s))
+            members = {r: (s, e)}
+            used.add((r, i))
+            lo, hi = np.searchsorted(ends, e - tol), np.searchsorted(ends, e + tol, side="right")
+            best: dict[int, tuple[float, int, float, float]] = {}
+            for r2, i2, s2, e2 in items[lo:hi]:
+                if r2 == r or (r2, i2) in used or s2 > e:
+                    continue
+                d = abs(e2 - e)
+                if r2 not in best or d < best[r2][0]:
+                    best[r2] = (d, i2, s2, e2)
+            for r2, (_, i2, s2, e2) in best.items():
+                members[r2] = (s2, e2)
+                used.add((r2, i2))
+            if len(members) > 1:
+                starts = {m: v[0] for m, v in members.items()}
+                last = max(starts, key=lambda m: (starts[m], m))
+                instances.append({"collective": name, "members": members, "last": last,
+                                  "lateness_ms": (starts[last] - min(starts.values())) / _US_PER_MS})
+    instances.sort(key=lambda x: min(v[0] for v in x["members"].values()))
+    return instances
+
+
+def _noise_floor(instances: list[dict[str, Any]], min_lateness_ms: float) -> float:
+    late = np.array([x["lateness_ms"] for x in instances])
+    if late.size < 10:
+        return min_lateness_ms
+    med = float(np.median(late))
+    mad = float(np.median(np.abs(late - med)))
+    return max(min_lateness_ms, med + 8 * 1.4826 * mad)
+
+
+def _root(inst: dict[str, Any], late: list[dict[str, Any]], blocked: dict[int, Intervals], depth: int = 0) -> int:
+    """The rank a late instance really waited for: its last arrival, or, when that rank spent most of
+    its lateness blocked in another late collective, whom it waited for there."""
+    j = inst["last"]
+    t = inst["members"][j][0]
+    lo = t - inst["lateness_ms"] * _US_PER_MS
+    if depth > 8 or j not in blocked or blocked[j].measure([lo], [t])[0] < 0.5 * (t - lo):
+        return j
+    overlap = [(min(x["members"][x["last"]][0], t) - max(x["members"][j][0], lo), x) for x in late
+               if j in x["members"] and x["last"] != j and x is not inst]
+    overlap = [(o, x) for o, x in overlap if o > 0.25 * (t - lo)]
+    return j if not overlap else _root(max(overlap, key=lambda ox: ox[0])[1], late, blocked, depth + 1)
+
+
+def straggler_report(ranks: dict[int, RankTrace], blocked: dict[int, Intervals] | None = None,
+                     min_lateness_ms: float = 0.0) -> dict[str, Any]:
+    """Who arrived last, per process group and collective, above the run's own jitter; and per rank,
+    how long it waited for whom.
+
+    ``blocked``: each rank's exposed-comm intervals (from :func:`step_claims`); waits count only
+    where the rank was blocked. Returns ``{"stragglers": [...], "waiting_for_ms": {rank: {peer:
+    ms}}, "straggler": {"rank", "caused_ms_per_step"} or None, "noise_floor_ms", "instances",
+    "problems"}``.
     """
     problems: list[str] = []
     if len(ranks) < 2:
-        return [], problems
-    by_name: dict[str, dict[int, list[float]]] = {}
-    for r, rt in ranks.items():
-        for name, start, _ in rt.collectives:
-            by_name.setdefault(name, {}).setdefault(r, []).append(start)
-    result = []
-    for name, starts in sorted(by_name.items()):
-        present = sorted(starts)
-        if len(present) < 2:
+        return {"stragglers": [], "waiting_for_ms": {}, "straggler": None, "noise_floor_ms": min_lateness_ms,
+                "instances": 0, "problems": problems}
+    blocked = blocked or {}
+    instances = match_collectives(ranks)
+    floor = _noise_floor(instances, min_lateness_ms)
+    late = [x for x in instances if x["lateness_ms"] > floor]
+    groups: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
+    for x in instances:
+        groups.setdefault((x["collective"], tuple(sorted(x["members"]))), []).append(x)
+    table = []
+    for (name, members), xs in sorted(groups.items()):
+        xl = [x for x in xs if x["lateness_ms"] > floor]
+        if not xl:
             continue
-        counts = {r: len(v) for r, v in starts.items()}
-        n = min(counts.values())
-        if len(set(counts.values())) > 1:
-            problems.append(f"collective {name}: instance counts differ across ranks {counts}; matched the first {n}")
-        if len(present) < len(ranks):
-            problems.append(f"collective {name}: seen on ranks {present} only")
-        arrivals = np.array([starts[r][:n] for r in present])  # (R, n)
-        last = arrivals.argmax(axis=0)
-        lateness = (arrivals.max(axis=0) - arrivals.min(axis=0)) / _US_PER_MS
-        late = lateness > min_lateness_ms
-        if not late.any():
-            continue
-        times_last = np.bincount(last[late], minlength=len(present))
-        total_late = np.bincount(last[late], weights=lateness[late], minlength=len(present))
-        worst = max(range(len(present)), key=lambda i: (times_last[i], total_late[i]))
-        mine = late & (last == worst)
-        result.append({
-            "collective": name, "rank": int(present[worst]),
-            "lateness_ms": round(float(lateness[mine].mean()), 6),
-            "max_lateness_ms": round(float(lateness[mine].max()), 6),
-            "times_last": int(times_last[worst]), "instances": int(n),
-        })
-    result.sort(key=lambda d: -d["lateness_ms"] * d["times_last"])
-    return result, problems
+        counts = {m: sum(x["last"] == m for x in xl) for m in members}
+        totals = {m: sum(x["lateness_ms"] for x in xl if x["last"] == m) for m in members}
+        worst = max(members, key=lambda m: (counts[m], totals[m]))
+        mine = [x["lateness_ms"] for x in xl if x["last"] == worst]
+        table.append({"collective": name, "group": list(members), "rank": int(worst),
+                      "lateness_ms": round(float(np.mean(mine)), 6), "max_lateness_ms": round(float(max(mine)), 6),
+                      "times_last": int(counts[worst]), "instances": len(xs)})
+    table.sort(key=lambda d: -d["lateness_ms"] * d["times_last"])
+    waits: dict[int, dict[int, list[tuple[float, float]]]] = {}
+    for x in late:
+        root = _root(x, late, blocked)
+        t_last = x["members"][x["last"]][0]
+        for r, (s, _) in x["members"].items():
+            if r != x["last"] and r != root:
+                waits.setdefault(r, {}).setdefault(root, []).append((s, t_last))
+    waiting_for: dict[int, dict[int, float]] = {}
+    for r, per_root in waits.items():
+        for root, ivs in per_root.items():
+            u = Intervals.union([a for a, _ in ivs], [b for _, b in ivs])
+            if r in blocked:
+                u = u.intersect(blocked[r])
+            if u.total > 0:
+                waiting_for.setdefault(r, {})[root] = round(u.total / _US_PER_MS, 6)
+    verdict = _verdict(ranks, waits, blocked, floor)
+    return {"stragglers": table, "waiting_for_ms": waiting_for, "straggler": verdict,
+            "noise_floor_ms": round(floor, 6), "instances": len(instances), "problems": problems}
+
+
+def _verdict(ranks: dict[int, RankTrace], waits: dict[int, dict[int, list[tuple[float, float]]]],
+             blocked: dict[int, Intervals], floor: float) -> dict[str, Any] | None:
+    """The rank whose late arrivals made others wait beyond the noise floor in every profiled step."""
+    best = None
+    for root in {root for per_root in waits.values() for root in per_root}:
+        per_step = []
+        for r, per_root in waits.items():
+            ivs = per_root.get(root, [])
+            u = Intervals.union([a for a, _ in ivs], [b for _, b in ivs])
+            u = u.intersect(blocked[r]) if r in blocked else u
+            sw = ranks[r].step_windows
+            per_step.append(u.measure(sw[:, 0], sw[:, 1]) / _US_PER_MS)
+        worst = np.max(np.stack(per_step), axis=0) if per_step else np.zeros(0)
+        if worst.size and float(worst.min()) > 2 * max(floor, 0.0) and (best is None or worst.mean() > best[1]):
+            best = (root, float(worst.mean()))
+    return None if best is None else {"rank": int(best[0]), "caused_ms_per_step": round(best[1], 6)}
+
+
+def find_stragglers(ranks: dict[int, RankTrace], min_lateness_ms: float = 0.0) -> tuple[list[dict], list[str]]:
+    """Per process group and collective, the rank most often last above the noise floor (see
+    :func:`straggler_report`): ``([{"collective", "group", "rank", "lateness_ms",
+    "max_lateness_ms", "times_last", "instances"}], problems)``, worst first."""
+    rep = straggler_report(ranks, None, min_lateness_ms)
+    return rep["stragglers"], rep["problems"]
+
+
+# -------------------------------------------------------------------------------------- analysis
 
 
 def _timeline_bubbles(logdir: str) -> dict[int, dict[str, float]]:
-    from meshkit.profiling.bubble import find_timeline_dir, measured_bubble, read_timeline
+    from meshkit.profiling.bubble import measured_bubble
+    from meshkit.timeline import find_timeline_dir, read_timeline
 
     tdir = find_timeline_dir(logdir)
     if tdir is None:
@@ -118,57 +307,107 @@ def _timeline_bubbles(logdir: str) -> dict[int, dict[str, float]]:
             for r, m in measured_bubble(records).per_rank.items()}
 
 
+def _ms(x: Any) -> float:
+    return round(float(np.sum(x)) / _US_PER_MS, 6)
+
+
+def _rank_entry(rt: RankTrace, claims: list[tuple[str, Intervals]]) -> dict[str, Any]:
+    m = rank_step_metrics(rt)
+    b = step_buckets(rt, claims)
+    tot = {k: _ms(v) for k, v in m.items()}
+    entry: dict[str, Any] = {
+        "steps": int(rt.step_windows.shape[0]), "compute_ms": tot["compute"], "comm_ms": tot["comm"],
+        "overlapped_comm_ms": tot["overlapped_comm"], "exposed_comm_ms": tot["exposed_comm"], "idle_ms": tot["idle"],
+        "overlap_pct": round(100.0 * tot["overlapped_comm"] / tot["comm"], 4) if tot["comm"] > 0 else 0.0,
+        "memory_ms": tot["memory"], "wall_ms": tot["wall"], "shape": rt.shape, "partial": rt.partial,
+        "buckets_ms": {k: _ms(v) for k, v in b.items()},
+    }
+    if "bubble" in tot:
+        entry["bubble_ms"] = tot["bubble"]
+    if rt.peak is not None:
+        entry["peak"] = rt.peak
+    entry["per_step"] = [
+        {"step": int(s), **{f"{k}_ms": round(float(v[i]) / _US_PER_MS, 6) for k, v in m.items()},
+         "buckets_ms": {k: round(float(v[i]) / _US_PER_MS, 6) for k, v in b.items()}}
+        for i, s in enumerate(rt.step_ids)
+    ]
+    return entry
+
+
+def analyze_window(ranks: dict[int, RankTrace], *, min_lateness_ms: float = 0.0) -> dict[str, Any]:
+    """One profiler window's analysis from already loaded :class:`RankTrace` s (see :func:`analyze`)."""
+    claims = {r: step_claims(rt) for r, rt in ranks.items()}
+    out = {str(r): _rank_entry(rt, claims[r]) for r, rt in ranks.items()}
+    blocked = {r: dict(c)["exposed_comm"] for r, c in claims.items()}
+    rep = straggler_report(ranks, blocked, min_lateness_ms)
+    for r, per_root in rep["waiting_for_ms"].items():
+        out[str(r)]["waiting_for_ms"] = {str(k): v for k, v in sorted(per_root.items())}
+    problems = [f"rank {r}: {p}" for r, rt in ranks.items() for p in rt.problems] + rep["problems"]
+    return {"ranks": out, "stragglers": rep["stragglers"], "straggler": rep["straggler"],
+            "noise_floor_ms": rep["noise_floor_ms"], "problems": problems}
+
+
+def _sum_entries(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    total = dict(entries[0])
+    for e in entries[1:]:
+        for k, v in e.items():
+            if k.endswith("_ms") and isinstance(v, float):
+                total[k] = round(total.get(k, 0.0) + v, 6)
+            elif k in ("buckets_ms", "waiting_for_ms"):
+                total[k] = {n: round(total.get(k, {}).get(n, 0.0) + x, 6) for n, x in
+                            {**dict.fromkeys(total.get(k, {}), 0.0), **v}.items()}
+        total["steps"] = total["steps"] + e["steps"]
+        total["per_step"] = total["per_step"] + e["per_step"]
+        total["partial"] = total["partial"] or e["partial"]
+    c = total["comm_ms"]
+    total["overlap_pct"] = round(100.0 * total["overlapped_comm_ms"] / c, 4) if c > 0 else 0.0
+    return total
+
+
 def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dict[str, Any]:
-    """Analyse every rank's torch.profiler traces under ``logdir`` (a directory, or a list of files).
+    """Analyse every profiler window of every rank under ``logdir`` (a directory, or a list of files).
 
     Returns ``{"ranks": {"<rank>": {"steps", "compute_ms", "comm_ms", "overlapped_comm_ms",
-    "exposed_comm_ms", "idle_ms", "overlap_pct", "memory_ms", "wall_ms", "shape",
-    ["bubble_ms"], "per_step": [...]}}, "stragglers": [...], "partial": bool, "problems": [...],
-    "missing_ranks": [...]}``. Times are sums over the rank's profiled steps. A truncated,
-    corrupt or missing input sets ``partial`` and says why in ``problems``; a directory with
-    nothing usable raises ``ValueError``.
+    "exposed_comm_ms", "idle_ms", "overlap_pct", "memory_ms", "wall_ms", "shape", "buckets_ms",
+    ["bubble_ms", "waiting_for_ms"], "per_step": [...]}}, "windows": [{"key", "ranks", "stragglers",
+    "straggler", "noise_floor_ms"}], "windows_used": [...], "stragglers": [...], "straggler",
+    "partial", "problems", "missing_ranks"}``. ``ranks`` sums every window (each step in
+    ``per_step`` names its window); times are sums over the profiled steps. A truncated, corrupt or
+    missing input sets ``partial`` and says why in ``problems``; a directory with nothing usable
+    raises ``ValueError``.
     """
-    ranks, problems, missing = load_rank_traces(logdir)
-    out_ranks: dict[str, Any] = {}
+    windows, problems = load_windows(logdir)
+    windows = [w for w in windows if w.ranks]
     try:
         timeline = _timeline_bubbles(logdir) if isinstance(logdir, str) and os.path.isdir(logdir) else {}
     except ValueError as exc:
         timeline, problems = {}, problems + [f"pipeline timeline: {exc}"]
-    for r, rt in ranks.items():
-        m = rank_step_metrics(rt)
-        tot = {k: float(v.sum()) / _US_PER_MS for k, v in m.items()}
-        entry: dict[str, Any] = {
-            "steps": int(rt.step_windows.shape[0]),
-            "compute_ms": round(tot["compute"], 6),
-            "comm_ms": round(tot["comm"], 6),
-            "overlapped_comm_ms": round(tot["overlapped_comm"], 6),
-            "exposed_comm_ms": round(tot["exposed_comm"], 6),
-            "idle_ms": round(tot["idle"], 6),
-            "overlap_pct": round(100.0 * tot["overlapped_comm"] / tot["comm"], 4) if tot["comm"] > 0 else 0.0,
-            "memory_ms": round(tot["memory"], 6),
-            "wall_ms": round(tot["wall"], 6),
-            "shape": rt.shape,
-            "partial": rt.partial,
-        }
-        if "bubble" in tot:
-            entry["bubble_ms"] = round(tot["bubble"], 6)
+    per_window = []
+    for w in windows:
+        res = analyze_window(w.ranks, min_lateness_ms=min_lateness_ms)
+        for entry in res["ranks"].values():
+            for st in entry["per_step"]:
+                st["window"] = w.key
+        problems.extend(f"window {w.key}: {p}" for p in res["problems"])
+        per_window.append({"key": w.key, **{k: res[k] for k in ("ranks", "stragglers", "straggler",
+                                                                  "noise_floor_ms")}, "missing_ranks": w.missing})
+    ranks: dict[str, Any] = {}
+    for r in sorted({int(r) for pw in per_window for r in pw["ranks"]}):
+        ranks[str(r)] = _sum_entries([pw["ranks"][str(r)] for pw in per_window if str(r) in pw["ranks"]])
         if r in timeline:
-            entry["timeline_bubble_ms"] = round(timeline[r]["bubble_ms"], 6)
-            entry["timeline_bubble_fraction"] = round(timeline[r]["bubble_fraction"], 6)
-        entry["per_step"] = [
-            {"step": int(s), **{f"{k}_ms": round(float(v[i]) / _US_PER_MS, 6) for k, v in m.items()}}
-            for i, s in enumerate(rt.step_ids)
-        ]
-        out_ranks[str(r)] = entry
-        problems.extend(f"rank {r}: {p}" for p in rt.problems)
-    stragglers, sprobs = find_stragglers(ranks, min_lateness_ms)
-    problems.extend(sprobs)
-    partial = bool(missing) or any(rt.partial for rt in ranks.values()) or any(
+            ranks[str(r)]["timeline_bubble_ms"] = round(timeline[r]["bubble_ms"], 6)
+            ranks[str(r)]["timeline_bubble_fraction"] = round(timeline[r]["bubble_fraction"], 6)
+    missing = sorted({r for w in windows for r in w.missing})
+    verdicts = [pw["straggler"] for pw in per_window if pw["straggler"]]
+    straggler = max(verdicts, key=lambda v: v["caused_ms_per_step"]) if verdicts else None
+    partial = bool(missing) or any(v["partial"] for v in ranks.values()) or any(
         "nothing usable" in p or "skipped" in p for p in problems)
     return {
-        "ranks": out_ranks, "stragglers": stragglers, "partial": partial, "problems": problems,
-        "missing_ranks": missing, "trace_bytes": int(sum(rt.bytes for rt in ranks.values())),
-        "events": int(sum(rt.events for rt in ranks.values())),
+        "ranks": ranks, "windows": per_window, "windows_used": [w.key for w in windows],
+        "stragglers": [dict(s, window=pw["key"]) for pw in per_window for s in pw["stragglers"]],
+        "straggler": straggler, "partial": partial, "problems": problems, "missing_ranks": missing,
+        "trace_bytes": int(sum(rt.bytes for w in windows for rt in w.ranks.values())),
+        "events": int(sum(rt.events for w in windows for rt in w.ranks.values())),
     }
 
 
@@ -182,12 +421,27 @@ def format_table(result: dict[str, Any]) -> str:
     for r, v in result["ranks"].items():
         lines.append(f"{r:>4} " + " ".join(f"{v.get(c, float('nan')):>18.3f}" if c != "steps" else f"{v[c]:>18d}"
                                             for c in cols))
+    names = list(next(iter(result["ranks"].values()), {}).get("buckets_ms", {}))
+    if names:
+        lines += ["", "step model, ms (each step's time in exactly one bucket):",
+                  "rank " + " ".join(f"{n:>13}" for n in names) + "  waiting for"]
+        for r, v in result["ranks"].items():
+            waits = ", ".join(f"rank {k} {x:.3f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
+            lines.append(f"{r:>4} " + " ".join(f"{v['buckets_ms'][n]:>13.3f}" for n in names) + f"  {waits}")
+    lines.append("")
+    lines.append(f"windows used (first batch): {result.get('windows_used', [])}")
+    peaks = {json.dumps(v["peak"], sort_keys=True) for v in result["ranks"].values() if "peak" in v}
+    for peak in sorted(peaks):
+        p = json.loads(peak)
+        lines.append(f"peak FLOP/s used by MFUMonitor: {p.get('flops', 0):.4g} ({p.get('source', '?')})")
+    verdict = result.get("straggler")
+    lines.append(f"straggler: rank {verdict['rank']}, made others wait {verdict['caused_ms_per_step']:.3f} ms per step"
+                 if verdict else "straggler: none above the noise floor (the run's own jitter)")
     if result["stragglers"]:
-        lines.append("")
-        lines.append("stragglers (rank most often last per collective):")
+        lines.append("stragglers (late arrivals above the noise floor, per process group and collective):")
         for s in result["stragglers"][:10]:
-            lines.append(f"  {s['collective']:<32} rank {s['rank']:>3}  late by {s['lateness_ms']:.3f} ms "
-                         f"(last in {s['times_last']}/{s['instances']})")
+            lines.append(f"  {s['collective']:<24} group {str(s.get('group', '?')):<14} rank {s['rank']:>3}  late by "
+                         f"{s['lateness_ms']:.3f} ms (last in {s['times_last']}/{s['instances']})")
     if result["partial"]:
         lines.append("")
         lines.append("PARTIAL RESULT:")

@@ -31,8 +31,11 @@ __all__ = [
     "write_window",
 ]
 
-BREAKDOWN_PARTS = ("compute", "recompute", "exposed_comm", "bubble", "data_wait", "optimizer", "other")
-"""The step's wall time, split: fractions ≥ 0 that sum to 1. Only ``compute`` produces model FLOPs."""
+BREAKDOWN_PARTS = ("compute", "recompute", "exposed_comm", "bubble", "data_wait", "optimizer", "validation",
+                   "checkpoint", "profiler_overhead", "other")
+"""The step's wall time, split: fractions ≥ 0 that sum to 1. Only ``compute`` produces model FLOPs.
+``other`` is host time inside forward+backward between ops (and any timer gap); ``profiler_overhead``
+is MFUMonitor's own time (starting, stopping, exporting, analysing and writing its windows)."""
 SCALAR_PREFIX = "mfu"
 
 
@@ -56,7 +59,7 @@ def points_lost(fractions: Mapping[str, float], mfu: float) -> dict[str, float]:
     losses plus ``"ideal"``; in percentage points.
     """
     compute = fractions.get("compute", 0.0)
-    ideal = mfu / compute if compute > 0 else 0.0
+    ideal = mfu / compute if compute > 1e-9 else 0.0  # no compute measured: no ideal to lose points from
     out = {p: 100.0 * ideal * fractions.get(p, 0.0) for p in BREAKDOWN_PARTS[1:]}
     out["ideal"] = 100.0 * ideal
     return out
@@ -79,14 +82,30 @@ def markdown_table(fractions: Mapping[str, float], mfu: float, step_time_s: floa
 
 
 def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
-    """Per-rank overlap table (from :func:`meshkit.profiling.overlap.analyze`) as markdown."""
+    """Per-rank overlap and step-model tables (from :func:`meshkit.profiling.overlap.analyze_window`
+    or ``analyze``) as markdown, with the straggler verdict and who waited for whom."""
     cols = ["steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"]
     lines = ["| rank | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for r, v in result.get("ranks", {}).items():
         lines.append(f"| {r} | " + " | ".join(f"{v[c]:.3f}" if c != "steps" else str(v[c]) for c in cols) + " |")
+    ranks = result.get("ranks", {})
+    names = list(next(iter(ranks.values()), {}).get("buckets_ms", {}))
+    if names:
+        lines += ["", "step model (ms summed over the profiled steps; buckets partition each step):", "",
+                  "| rank | " + " | ".join(names) + " | waiting for |", "|---|" + "---:|" * len(names) + "---|"]
+        for r, v in ranks.items():
+            waits = ", ".join(f"rank {k}: {x:.1f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
+            lines.append(f"| {r} | " + " | ".join(f"{v['buckets_ms'][n]:.3f}" for n in names) + f" | {waits} |")
+    verdict = result.get("straggler")
+    floor = result.get("noise_floor_ms")
+    lines.append("")
+    lines.append(f"straggler: rank {verdict['rank']} (made others wait {verdict['caused_ms_per_step']:.1f} ms per step)"
+                 if verdict else "straggler: none above the noise floor")
+    if floor is not None:
+        lines[-1] += f" (noise floor {floor:.3f} ms, the run's own jitter)"
     for s in result.get("stragglers", [])[:max_stragglers]:
-        lines.append(f"\nstraggler: `{s['collective']}` rank {s['rank']} late by {s['lateness_ms']:.3f} ms "
-                     f"({s['times_last']}/{s['instances']} times last)")
+        lines.append(f"\nlate: `{s['collective']}` group {s.get('group', '?')} rank {s['rank']} late by "
+                     f"{s['lateness_ms']:.3f} ms ({s['times_last']}/{s['instances']} times last)")
     if result.get("partial"):
         lines.append("\n**partial**: " + "; ".join(result.get("problems", [])))
     return "\n".join(lines)
@@ -132,17 +151,25 @@ def write_layout(writer: Any) -> None:
 
 
 def write_window(writer: Any, step: int, fractions: Mapping[str, float], mfu: float, step_time_s: float,
-                 overlap: Mapping[str, Any] | None = None, gantt: Any = None) -> None:
-    """A profiled window: the breakdown table, the waterfall, and (if given) overlap table and Gantt."""
-    text = markdown_table(fractions, mfu, step_time_s, title=f"MFU breakdown at step {step}")
+                 overlap: Mapping[str, Any] | None = None, gantt: Any = None, *, title: str | None = None,
+                 peak_source: str | None = None) -> None:
+    """A profiled window: the breakdown table, the waterfall and the ``mfu/window/*`` scalars, all from
+    the same ``fractions`` and ``mfu``; and (if given) the overlap table and the pipeline Gantt."""
+    title = title or f"MFU breakdown at step {step}"
+    text = markdown_table(fractions, mfu, step_time_s, title=title)
+    if peak_source:
+        text += f"\n\npeak FLOP/s: {peak_source}"
     if overlap is not None:
         text += "\n\n" + overlap_markdown(overlap)
     writer.add_text(f"{SCALAR_PREFIX}/breakdown_table", text, step)
-    writer.add_image(f"{SCALAR_PREFIX}/waterfall", figure_to_array(waterfall_figure(fractions, mfu,
-                     f"MFU waterfall, step {step}")), step, dataformats="HWC")
+    writer.add_image(f"{SCALAR_PREFIX}/waterfall", figure_to_array(waterfall_figure(fractions, mfu, title)), step,
+                     dataformats="HWC")
+    writer.add_scalar(f"{SCALAR_PREFIX}/window/mfu", mfu, step)
+    writer.add_scalar(f"{SCALAR_PREFIX}/window/step_time_ms", 1e3 * step_time_s, step)
+    for p in BREAKDOWN_PARTS:
+        writer.add_scalar(f"{SCALAR_PREFIX}/window/breakdown/{p}", fractions.get(p, 0.0), step)
     if gantt is not None:
         writer.add_image(f"{SCALAR_PREFIX}/pipeline_gantt", figure_to_array(gantt), step, dataformats="HWC")
     flush = getattr(writer, "flush", None)
     if flush:
         flush()
-

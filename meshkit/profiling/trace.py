@@ -13,9 +13,18 @@ Two trace shapes are recognized:
   Kernels are assigned to steps through their CUDA-runtime launch (``correlation``) falling
   inside a ``ProfilerStep#N`` span.
 - **CPU / gloo** (no kernels): ``gloo:*`` / ``nccl:*`` spans (recorded on the process group's
-  worker threads) are communication; ``cpu_op`` events on the step's thread are compute
-  (``c10d::*`` and ``record_param_comms`` are excluded: they only enqueue or wait).
+  worker threads) are communication. Compute is the *operator* ``cpu_op`` events on the step's
+  thread (a ``namespace::name`` such as ``aten::mm`` or ``fsdp::chunk_cat``); containers that
+  only dispatch (autograd nodes ``XBackward0``, ``autograd::engine::*``, DTensor's
+  ``PythonSubclass`` / ``Redistribute``) and comm ops (``c10d::*``, ``_c10d_functional::*``,
+  ``record_param_comms``) are not compute, so time a container spends blocked in a collective
+  is not counted as compute. Explicit waits (``*wait*`` ops such as
+  ``_c10d_functional::wait_tensor``) are kept as their own intervals.
 
+Host spans that say which phase of a training step the main thread is in are kept too:
+meshkit's own markers (``meshkit:forward_backward``, ``meshkit:optimizer``,
+``meshkit:validation``, ``meshkit:checkpoint``, written by ``MFUMonitor``) and torch's
+(``Optimizer.step#*`` / ``Optimizer.zero_grad#*``, ``enumerate(DataLoader)#*``).
 Spans named ``PP:*`` are pipeline actions. Times are kept in microseconds, as Kineto writes them.
 """
 
@@ -25,6 +34,7 @@ import gzip
 import io
 import itertools
 import json
+import math
 import operator
 import os
 import re
@@ -36,7 +46,8 @@ from typing import Any, Iterator, Sequence, Union
 import msgspec
 import numpy as np
 
-__all__ = ["Intervals", "RankTrace", "TraceLoadError", "find_trace_files", "load_trace", "load_rank_traces"]
+__all__ = ["Intervals", "RankTrace", "TraceWindow", "TraceLoadError", "PHASE_MARKERS", "find_trace_files",
+           "load_trace", "load_rank_trace", "load_windows"]
 
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 _NCCL_COLL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
@@ -101,6 +112,36 @@ class Intervals:
         inside = np.clip(t - self.starts[ic], 0, self.ends[ic] - self.starts[ic])
         return np.where(i >= 0, self._cum[ic] + inside, 0.0)
 
+    def _contains(self, t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(self.starts, t, side="right") - 1
+        return (i >= 0) & (t < self.ends[np.maximum(i, 0)]) if len(self) else np.zeros(t.shape, dtype=bool)
+
+    def _combine(self, other: "Intervals", keep: Any) -> "Intervals":
+        """Elementary segments between all boundaries, kept where ``keep(in_self, in_other)``."""
+        pts = np.unique(np.concatenate([self.starts, self.ends, other.starts, other.ends]))
+        if pts.size < 2:
+            return Intervals(np.empty(0), np.empty(0))
+        lo, hi = pts[:-1], pts[1:]
+        mid = lo + (hi - lo) / 2
+        sel = keep(self._contains(mid), other._contains(mid))
+        return Intervals.union(lo[sel], hi[sel])
+
+    def intersect(self, other: "Intervals") -> "Intervals":
+        """``self ∩ other``.
+
+        >>> Intervals.union([0], [10]).intersect(Intervals.union([5], [20])).total
+        5.0
+        """
+        return self._combine(other, np.logical_and)
+
+    def minus(self, other: "Intervals") -> "Intervals":
+        """``self ∖ other``.
+
+        >>> Intervals.union([0], [10]).minus(Intervals.union([2, 6], [4, 7])).total
+        7.0
+        """
+        return self._combine(other, lambda a, b: a & ~b)
+
     def measure(self, lo: Any, hi: Any) -> np.ndarray:
         """Covered length inside each window ``[lo[k], hi[k])``."""
         lo = np.asarray(lo, dtype=np.float64)
@@ -118,6 +159,21 @@ def intersection_measure(a: Intervals, b: Intervals, lo: Any, hi: Any) -> np.nda
 # ------------------------------------------------------------------------------ rank trace
 
 
+PHASE_MARKERS: dict[str, str] = {
+    "meshkit:forward_backward": "forward_backward",
+    "meshkit:optimizer": "optimizer",
+    "meshkit:validation": "validation",
+    "meshkit:checkpoint": "checkpoint",
+    "Optimizer.step#": "optimizer",
+    "Optimizer.zero_grad#": "optimizer",
+    "enumerate(DataLoader)#": "data_wait",
+}
+"""Host span name (prefix) -> the step phase it marks. ``meshkit:*`` spans are MFUMonitor's own
+``record_function`` markers; the others are torch's."""
+
+_EMPTY = lambda: Intervals.union([], [])  # noqa: E731
+
+
 @dataclass
 class RankTrace:
     """What one rank's trace files say, reduced to arrays (µs)."""
@@ -131,13 +187,23 @@ class RankTrace:
     step_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     step_windows: np.ndarray = field(default_factory=lambda: np.empty((0, 2)))
     """(S, 2) start, end of each step on the timeline that is analysed (device for CUDA)."""
-    compute: Intervals = field(default_factory=lambda: Intervals.union([], []))
-    comm: Intervals = field(default_factory=lambda: Intervals.union([], []))
-    memory: Intervals = field(default_factory=lambda: Intervals.union([], []))
-    pipeline: Intervals = field(default_factory=lambda: Intervals.union([], []))
+    compute: Intervals = field(default_factory=_EMPTY)
+    comm: Intervals = field(default_factory=_EMPTY)
+    memory: Intervals = field(default_factory=_EMPTY)
+    pipeline: Intervals = field(default_factory=_EMPTY)
     """Union of ``PP:*`` spans (pipeline actions), if the run recorded them."""
-    collectives: list[tuple[str, float, float]] = field(default_factory=list)
-    """(collective name, start, end) in start order: arrival order for straggler matching."""
+    waits: Intervals = field(default_factory=_EMPTY)
+    """CPU: explicit comm-wait ops (``*wait*`` c10d ops) on the step's thread."""
+    phases: dict[str, Intervals] = field(default_factory=dict)
+    """Host phase spans on the step's thread, by phase (see :data:`PHASE_MARKERS`)."""
+    optimizer_kernels: Intervals = field(default_factory=_EMPTY)
+    """CUDA: compute kernels launched inside an optimizer phase span."""
+    peak: dict[str, Any] | None = None
+    """The peak FLOP/s MFUMonitor used (``{"flops", "source"}``, its trace's ``meshkit_peak`` key)."""
+    host_steps: Intervals = field(default_factory=_EMPTY)
+    """The ``ProfilerStep#N`` spans on the host (the same as ``step_windows`` on CPU)."""
+    collectives: list[tuple[str, float, float, Any]] = field(default_factory=list)
+    """(collective name, start, end, stream or thread) in start order."""
     events: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
@@ -145,6 +211,16 @@ class RankTrace:
     @property
     def partial(self) -> bool:
         return bool(self.problems)
+
+
+@dataclass
+class TraceWindow:
+    """One profiler window of a run: every rank's trace of it."""
+
+    key: int
+    """The window's first batch (from MFUMonitor's ``rank{R}.{first}.pt.trace.json``), else its order."""
+    ranks: dict[int, RankTrace]
+    missing: list[int]
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -164,9 +240,18 @@ class _Event(msgspec.Struct, gc=False):
 
 
 _SKIP = _Event()
-_NOT_COMPUTE = ("gloo:", "nccl:", "PP:", "c10d::")
+_COMM_NS = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl:", "PP:")
+_NOT_OPS = ("autograd::", "torch::autograd::", "profiler::")
+_NOT_COMPUTE = _COMM_NS + _NOT_OPS
 _CAT = operator.attrgetter("cat")
 _DECODE_BATCH = msgspec.json.Decoder(list[_Event]).decode
+
+
+def _phase_of(name: str) -> str | None:
+    for prefix, phase in PHASE_MARKERS.items():
+        if name.startswith(prefix):
+            return phase
+    return None
 
 
 def _coerce(ev: Any) -> _Event:
@@ -191,16 +276,26 @@ class _Sink:
     def __init__(self) -> None:
         f = lambda: array("d")  # noqa: E731
         self.kern_s, self.kern_e, self.kern_corr = f(), f(), f()
-        self.comm_k_s, self.comm_k_e, self.comm_k_corr = f(), f(), f()
+        self.comm_k_s, self.comm_k_e, self.comm_k_corr, self.comm_k_stream = f(), f(), f(), f()
         self.comm_k_names: list[str] = []
         self.mem_s, self.mem_e = f(), f()
         self.rt_ts, self.rt_corr = f(), f()
         self.cpu_s, self.cpu_e, self.cpu_tid = f(), f(), f()
-        self.ccomm_s, self.ccomm_e = f(), f()
+        self.wait_s, self.wait_e, self.wait_tid = f(), f(), f()
+        self.autograd_e = f()
+        self.ccomm_s, self.ccomm_e, self.ccomm_tid = f(), f(), f()
         self.ccomm_names: list[str] = []
         self.pp_s, self.pp_e = f(), f()
+        self.phases: list[tuple[str, float, float, Any, bool]] = []
         self.steps: list[tuple[int, float, float, Any]] = []
         self.events = 0
+
+    @property
+    def first_ts(self) -> float:
+        """The earliest start of a kept event (orders a rank's windows when their names do not)."""
+        firsts = [min(a) for a in (self.cpu_s, self.kern_s, self.comm_k_s, self.ccomm_s) if len(a)]
+        firsts += [st[1] for st in self.steps[:1]]
+        return min(firsts, default=math.inf)
 
     def add(self, batch: list[_Event]) -> None:
         """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
@@ -215,6 +310,7 @@ class _Sink:
                 for ev in evs:
                     (nccl if "nccl" in ev.name.lower() else compute).append(ev)
                 _spans(nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr)
+                self.comm_k_stream.extend([_tid(ev) for ev in nccl])
                 _spans(compute, self.kern_s, self.kern_e, self.kern_corr)
                 for ev in nccl:
                     m = _NCCL_COLL.search(ev.name)
@@ -227,20 +323,33 @@ class _Sink:
                 self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
 
     def _host(self, cat: str, evs: list[_Event]) -> None:
-        for ev in evs:  # comm and pipeline spans: few
-            if ev.name.startswith(("gloo:", "nccl:")):
-                self.ccomm_s.append(ev.ts), self.ccomm_e.append(ev.ts + (ev.dur or 0.0))
-                self.ccomm_names.append(ev.name)
-            elif ev.name.startswith("PP:"):
-                self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
-        if cat == "cpu_op":  # compute: every aten op but comm spans and c10d's enqueue/wait ops
-            ops = [ev for ev in evs if not ev.name.startswith(_NOT_COMPUTE) and ev.name != "record_param_comms"]
+        if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
+            is_aten = [ev.name.startswith("aten::") for ev in evs]
+            rest = list(itertools.compress(evs, map(operator.not_, is_aten)))
+            ops = list(itertools.compress(evs, is_aten))
+            ops += [ev for ev in rest if "::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)]
             _spans(ops, self.cpu_s, self.cpu_e)
             self.cpu_tid.extend([float(ev.tid) if isinstance(ev.tid, int) else -1.0 for ev in ops])
-        elif cat == "user_annotation":
-            for ev in evs:
-                if ev.name.startswith("ProfilerStep#") and ev.name[13:].isdigit():
-                    self.steps.append((int(ev.name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
+            waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
+            _spans(waits, self.wait_s, self.wait_e)
+            self.wait_tid.extend([_tid(ev) for ev in waits])
+            self.autograd_e.extend([ev.ts + (ev.dur or 0.0) for ev in rest if ev.name.startswith("autograd::engine")])
+            return
+        for ev in evs:  # comm, pipeline and phase spans: few
+            name = ev.name
+            if name.startswith(("gloo:", "nccl:")):
+                self.ccomm_s.append(ev.ts), self.ccomm_e.append(ev.ts + (ev.dur or 0.0))
+                self.ccomm_tid.append(_tid(ev)), self.ccomm_names.append(name)
+            elif name.startswith("PP:"):
+                self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
+            elif (phase := _phase_of(name)) is not None:
+                self.phases.append((phase, ev.ts, ev.ts + (ev.dur or 0.0), ev.tid, name.startswith("meshkit:")))
+            elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
+                self.steps.append((int(name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
+
+
+def _tid(ev: _Event) -> float:
+    return float(ev.tid) if isinstance(ev.tid, int) else -1.0
 
 
 def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
@@ -443,30 +552,53 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
         if isinstance(info.get("world_size"), int):
             rt.world_size = info["world_size"]
         rt.host = meta.get("host_name", rt.host)
+        if isinstance(meta.get("meshkit_peak"), dict):
+            rt.peak = meta["meshkit_peak"]
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
+    main = np.array(sorted({float(st[3]) for st in steps if isinstance(st[3], (int, float))}))
+    on_main = (lambda tid: np.isin(tid, main)) if main.size else (lambda tid: np.ones(tid.shape, dtype=bool))
     kern_s, kern_e = cat("kern_s"), cat("kern_e")
     ck_s, ck_e = cat("comm_k_s"), cat("comm_k_e")
     rt.shape = "cuda" if kern_s.size or ck_s.size else "cpu"
     rt.pipeline = Intervals.union(cat("pp_s"), cat("pp_e"))
+    by_phase: dict[str, tuple[list, list]] = {}
+    for s in sinks:
+        for phase, start, end, tid, mk in s.phases:
+            if not main.size or (isinstance(tid, (int, float)) and float(tid) in main):
+                for key in (phase, "meshkit:optimizer") if (phase == "optimizer" and mk) else (phase,):
+                    by_phase.setdefault(key, ([], []))[0].append(start), by_phase[key][1].append(end)
+    if "forward_backward" in by_phase:  # meshkit's markers: torch's optimizer spans may wrap the closure
+        by_phase["optimizer"] = by_phase.pop("meshkit:optimizer", ([], []))
+    else:
+        by_phase.pop("meshkit:optimizer", None)
+        if "optimizer" in by_phase:
+            by_phase["optimizer"] = _after_backward(*by_phase["optimizer"], np.sort(cat("autograd_e")))
+    rt.phases = {k: Intervals.union(v[0], v[1]) for k, v in by_phase.items()}
+    rt.host_steps = Intervals.union([st[1] for st in steps], [st[2] for st in steps])
     if rt.shape == "cuda":
         rt.compute = Intervals.union(kern_s, kern_e)
         rt.comm = Intervals.union(ck_s, ck_e)
         rt.memory = Intervals.union(cat("mem_s"), cat("mem_e"))
         names = [n for s in sinks for n in s.comm_k_names]
-        rt.collectives = sorted(zip(names, ck_s.tolist(), ck_e.tolist()), key=lambda x: x[1])
+        rt.collectives = sorted(zip(names, ck_s.tolist(), ck_e.tolist(), cat("comm_k_stream").tolist()),
+                                key=lambda x: x[1])
+        launch = _launch_times(sinks, cat, cat("kern_corr"))
+        opt = rt.phases.get("optimizer")
+        if opt is not None and len(opt):
+            sel = ~np.isnan(launch) & opt._contains(np.nan_to_num(launch, nan=-np.inf))
+            rt.optimizer_kernels = Intervals.union(kern_s[sel], kern_e[sel])
         rt.step_ids, rt.step_windows = _cuda_step_windows(steps, sinks, cat)
     else:
-        step_tids = {st[3] for st in steps}
         cpu_s, cpu_e, cpu_tid = cat("cpu_s"), cat("cpu_e"), cat("cpu_tid")
-        if step_tids:
-            main = np.isin(cpu_tid, np.array([float(t) for t in step_tids if isinstance(t, (int, float))]))
-            cpu_s, cpu_e = cpu_s[main], cpu_e[main]
-        rt.compute = Intervals.union(cpu_s, cpu_e)
+        keep = on_main(cpu_tid)
+        rt.compute = Intervals.union(cpu_s[keep], cpu_e[keep])
+        keep = on_main(cat("wait_tid"))
+        rt.waits = Intervals.union(cat("wait_s")[keep], cat("wait_e")[keep])
         cs, ce = cat("ccomm_s"), cat("ccomm_e")
         rt.comm = Intervals.union(cs, ce)
         names = [n for s in sinks for n in s.ccomm_names]
-        rt.collectives = sorted(zip(names, cs.tolist(), ce.tolist()), key=lambda x: x[1])
+        rt.collectives = sorted(zip(names, cs.tolist(), ce.tolist(), cat("ccomm_tid").tolist()), key=lambda x: x[1])
         if steps:
             rt.step_ids = np.array([st[0] for st in steps], dtype=np.int64)
             rt.step_windows = np.array([[st[1], st[2]] for st in steps], dtype=np.float64)
@@ -479,22 +611,37 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
     return rt
 
 
+def _after_backward(starts: list, ends: list, autograd_ends: np.ndarray) -> tuple[list, list]:
+    """Lightning runs the training closure (forward and backward) inside ``optimizer.step``: without
+    meshkit's markers an ``Optimizer.step#`` span's optimizer part starts after its last backward op."""
+    out_s = []
+    for s, e in zip(starts, ends):
+        i = np.searchsorted(autograd_ends, e, side="right") - 1
+        out_s.append(max(s, float(autograd_ends[i])) if i >= 0 and autograd_ends[i] > s else s)
+    return out_s, list(ends)
+
+
+def _launch_times(sinks: list[_Sink], cat: Any, corr: np.ndarray) -> np.ndarray:
+    """Host launch time of each device event (by CUDA correlation id); NaN where unknown."""
+    rt_ts, rt_corr = cat("rt_ts"), cat("rt_corr")
+    if not rt_corr.size:
+        return np.full(corr.shape, np.nan)
+    order = np.argsort(rt_corr)
+    rt_ts, rt_corr = rt_ts[order], rt_corr[order]
+    idx = np.clip(np.searchsorted(rt_corr, corr), 0, rt_corr.size - 1)
+    return np.where(rt_corr[idx] == corr, rt_ts[idx], np.nan)
+
+
 def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.ndarray, np.ndarray]:
     """Device-side step windows: from the first device event whose launch lies in the step span to
-    the last one's end, or to the next window's start if that comes first."""
+    the next window's start (the last window: to its last device event's end), so that the windows
+    partition device time, idle between steps included, and nothing is counted twice."""
     dev_s = np.concatenate([cat("kern_s"), cat("comm_k_s")])
     dev_e = np.concatenate([cat("kern_e"), cat("comm_k_e")])
     dev_corr = np.concatenate([cat("kern_corr"), cat("comm_k_corr")])
     if not steps or dev_s.size == 0:
         return np.empty(0, dtype=np.int64), np.empty((0, 2))
-    rt_ts, rt_corr = cat("rt_ts"), cat("rt_corr")
-    order = np.argsort(rt_corr)
-    rt_ts, rt_corr = rt_ts[order], rt_corr[order]
-    if rt_corr.size:
-        idx = np.clip(np.searchsorted(rt_corr, dev_corr), 0, rt_corr.size - 1)
-        launch = np.where(rt_corr[idx] == dev_corr, rt_ts[idx], np.nan)
-    else:
-        launch = np.full(dev_corr.shape, np.nan)
+    launch = _launch_times(sinks, cat, dev_corr)
     starts = np.array([st[1] for st in steps])
     ends = np.array([st[2] for st in steps])
     k = np.searchsorted(starts, launch, side="right") - 1
@@ -507,16 +654,42 @@ def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.nd
             ids.append(st[0])
             windows.append([dev_s[sel].min(), dev_e[sel].max()])
     win = np.array(windows, dtype=np.float64).reshape(-1, 2)
-    # A step's last kernels may still run when the next step's first ones start: end each window
-    # where the next begins, so the windows partition device time and nothing is counted twice.
-    win[:-1, 1] = np.minimum(win[:-1, 1], np.maximum(win[1:, 0], win[:-1, 0]))
+    # A step's last kernels may still run when the next step's first ones start, and the device may
+    # idle between steps: each window ends where the next begins.
+    win[:-1, 1] = np.maximum(win[1:, 0], win[:-1, 0])
     return np.array(ids, dtype=np.int64), win
 
 
-def load_rank_traces(logdir: str | Sequence[str]) -> tuple[dict[int, RankTrace], list[str], list[int]]:
-    """Load every rank's traces under ``logdir``: ({rank: RankTrace}, directory-level problems, missing ranks).
+def load_rank_trace(paths: str | Sequence[str], rank: int | None = None) -> RankTrace:
+    """Load one rank's trace file(s) of one profiler window into a :class:`RankTrace`.
 
-    Raises :class:`TraceLoadError` (a ``ValueError``) when nothing at all can be analysed.
+    ``rank`` defaults to the file's ``distributedInfo.rank`` (else ``rank<N>`` in its name, else 0).
+    Never raises for bad content: what could be read is kept and ``problems`` says why.
+
+    >>> rt = load_rank_trace("rank0.5.pt.trace.json")  # doctest: +SKIP
+    >>> rt.step_windows.shape  # doctest: +SKIP
+    (2, 2)
+    """
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    sinks, metas, problems = [], [], []
+    for path in paths:
+        sink, meta, probs = load_trace(path)
+        sinks.append(sink), metas.append(meta), problems.extend(probs)
+    if rank is None:
+        rank = next((r for r in (_rank_of(p, m) for p, m in zip(paths, metas)) if r is not None), 0)
+    return _build(rank, paths, sinks, metas, problems)
+
+
+_WINDOW_IN_NAME = re.compile(r"rank[_-]?\d+\.(\d+)\.pt\.trace", re.IGNORECASE)
+
+
+def load_windows(logdir: str | Sequence[str]) -> tuple[list[TraceWindow], list[str]]:
+    """Load every profiler window of a run: ([TraceWindow], directory-level problems).
+
+    Each file is one rank's trace of one window. A rank's files are ordered by the first batch in
+    MFUMonitor's name ``rank{R}.{first_batch}.pt.trace.json`` (else by their first event); the
+    k-th file of every rank is window k, keyed by that first batch (else by k). Raises
+    :class:`TraceLoadError` (a ``ValueError``) when nothing at all can be analysed.
     """
     files = list(logdir) if isinstance(logdir, (list, tuple)) else find_trace_files(logdir)
     if not files:
@@ -524,7 +697,7 @@ def load_rank_traces(logdir: str | Sequence[str]) -> tuple[dict[int, RankTrace],
             f"analyze: no trace files (*trace*.json or *trace*.json.gz) under `logdir={logdir!r}`. "
             "Point it at the profiler's output directory (MFUMonitor writes to <log_dir>/profiler)."
         )
-    per_rank: dict[int, tuple[list, list, list, list]] = {}
+    per_rank: dict[int, list[tuple[float, str, _Sink, dict, list[str]]]] = {}
     problems: list[str] = []
     for path in files:
         sink, meta, probs = load_trace(path)
@@ -532,18 +705,38 @@ def load_rank_traces(logdir: str | Sequence[str]) -> tuple[dict[int, RankTrace],
         if rank is None:
             problems.append(f"{os.path.basename(path)}: no rank in distributedInfo or file name; skipped")
             continue
-        paths, sinks, metas, rprobs = per_rank.setdefault(rank, ([], [], [], []))
-        paths.append(path), sinks.append(sink), metas.append(meta), rprobs.extend(probs)
-    ranks = {r: _build(r, *v) for r, v in sorted(per_rank.items())}
-    usable = {r: t for r, t in ranks.items() if t.step_windows.size}
-    if not usable:
-        detail = "; ".join(p for t in ranks.values() for p in t.problems) or "no events"
-        raise TraceLoadError(f"analyze: no usable trace under `logdir={logdir!r}` ({'; '.join(problems + [detail])}).")
-    for r, t in ranks.items():
+        m = _WINDOW_IN_NAME.search(os.path.basename(path))
+        order = float(m.group(1)) if m else sink.first_ts
+        per_rank.setdefault(rank, []).append((order, path, sink, meta, probs))
+    n_windows = max((len(v) for v in per_rank.values()), default=0)
+    windows: list[TraceWindow] = []
+    for k in range(n_windows):
+        built = {}
+        key: int | None = None
+        for r, entries in sorted(per_rank.items()):
+            entries.sort(key=lambda e: (e[0], e[1]))
+            if k < len(entries):
+                order, path, sink, meta, probs = entries[k]
+                m = _WINDOW_IN_NAME.search(os.path.basename(path))
+                key = int(m.group(1)) if (m and key is None) else key
+                built[r] = _build(r, [path], [sink], [meta], probs)
+        windows.append(_window(key if key is not None else k, built, problems))
+    if not any(w.ranks for w in windows):
+        detail = "; ".join(problems) or "no events"
+        raise TraceLoadError(f"analyze: no usable trace under `logdir={logdir!r}` ({detail}).")
+    return windows, problems
+
+
+def _window(key: int, built: dict[int, RankTrace], problems: list[str]) -> TraceWindow:
+    usable = {r: t for r, t in built.items() if t.step_windows.size}
+    where = f"window {key}: "
+    for r, t in built.items():
         if r not in usable:
-            problems.append(f"rank {r}: nothing usable ({'; '.join(t.problems) or 'no step or device events'})")
+            problems.append(f"{where}rank {r}: nothing usable ({'; '.join(t.problems) or 'no step or device events'})")
+    if not usable:
+        return TraceWindow(key, {}, [])
     world = max([t.world_size or 0 for t in usable.values()] + [max(usable) + 1])
     missing = [r for r in range(world) if r not in usable]
     if missing:
-        problems.append(f"missing ranks {missing} of world size {world}")
-    return usable, problems, missing
+        problems.append(f"{where}missing ranks {missing} of world size {world}")
+    return TraceWindow(key, usable, missing)

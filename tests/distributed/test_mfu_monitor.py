@@ -14,7 +14,7 @@ SEQ, BATCH, STEPS = 16, 2, 6
 
 @pytest.fixture(scope="module")
 def pool():
-    with ProcessPool(world_size=4) as p:
+    with ProcessPool(world_size=4, timeout=900) as p:
         yield p
 
 
@@ -60,11 +60,11 @@ def test_mfu_monitor_ddp_gloo(pool, tmp_path):
         # FLOPs summed over 4 ranks == 4 x a single-process FlopCounterMode run of one rank's step
         assert r["measured"]["forward"] == 4 * r["ref_forward"]
         assert r["measured"]["hardware"] == 4 * r["ref_hardware"]
-        assert r["measured"]["tokens"] == 4 * BATCH * (SEQ + 1)  # once per dp replica; plain DDP: 4
-    # MFU by hand on rank 0: global tokens · 6N+12LHQT / (step time · world · peak)
+        assert r["measured"]["tokens"] == 4 * BATCH * SEQ  # once per dp replica; plain DDP: 4; no label column
+    # MFU by hand on rank 0: global tokens · 6N+12LHQT / (step time · world · peak), T without the label shift
     r0 = results[0]
-    fpt = model_flops_per_token(LlamaConfig.tiny(), seq_len=SEQ + 1)
-    tokens = 4 * BATCH * (SEQ + 1)
+    fpt = model_flops_per_token(LlamaConfig.tiny(), seq_len=SEQ)
+    tokens = 4 * BATCH * SEQ
     for _, t, mfu, _, tps, _ in r0["history"]:
         assert mfu == pytest.approx(tokens * fpt / (t * 4 * r0["peak"]), rel=1e-9)
         assert tps == pytest.approx(tokens / t, rel=1e-9)
@@ -107,3 +107,36 @@ def test_profile_budget_spaces_windows_alike_on_every_rank(pool, tmp_path, budge
         assert w["next_batch"] == w["batch"] + gap
     if budget is not None:
         assert windows[0]["next_batch"] > 16
+
+
+def _flops(rank, world_size, root, strategy):
+    import lightning as L
+    import torch
+
+    from meshkit.models import LlamaConfig, LlamaLM, Transformer, synthetic_tokens
+    from meshkit.profiling.flops import measure_step_flops
+    from meshkit.profiling.mfu import MFUMonitor
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(n_kv_heads=4)  # 4 kv heads: tp=4 divides them
+    loader = torch.utils.data.DataLoader(synthetic_tokens(world_size * BATCH * 3, SEQ, 256), batch_size=BATCH)
+    mon = MFUMonitor(profile_every=0, log_every=1)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, logger=False,
+                        default_root_dir=root, callbacks=[mon], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LlamaLM(cfg), loader)
+    # one process, one rank's batch: (BATCH, SEQ) inputs
+    ref = measure_step_flops(Transformer(cfg), torch.zeros(BATCH, SEQ, dtype=torch.long))
+    return {"measured": mon.measured_flops, "dp": mon._dp, "ref_forward": ref.forward, "ref_hardware": ref.hardware}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "tp", "hsdp_tp"])
+def test_flops_summed_over_ranks_equal_one_process(pool, tmp_path, strategy):
+    """Each rank counts its local (sharded) work: the sum over the 4 ranks is the one-process count of
+    the global batch (dp replicas x one batch), not tp times it (hsdp_tp counted 1.85x before)."""
+    results = pool.run(_flops, str(tmp_path), strategy)
+    for r in results:
+        assert r["measured"]["forward"] == pytest.approx(r["dp"] * r["ref_forward"], rel=1e-9), (strategy, r)
+        assert r["measured"]["hardware"] == pytest.approx(r["dp"] * r["ref_hardware"], rel=1e-9), (strategy, r)
+        print(strategy, "dp", r["dp"], "forward summed over ranks", r["measured"]["forward"],
+              "one process", r["dp"] * r["ref_forward"])

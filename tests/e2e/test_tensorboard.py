@@ -105,3 +105,42 @@ def test_analyze_cli_reads_the_run(run_dir):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["ranks"]["0"]["steps"] >= 1 and result["ranks"]["0"]["compute_ms"] > 0
+
+
+def test_table_waterfall_and_scalars_show_the_same_window(run_dir):
+    """Read the event file back: the window's markdown table, its waterfall image and its
+    ``mfu/window/*`` scalars carry the same numbers (the image is compared with a re-rendering of
+    the scalars; a breakdown moved by 5 points renders differently)."""
+    import io
+    import re
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from meshkit.profiling.report import BREAKDOWN_PARTS, figure_to_array, waterfall_figure
+
+    _, log_dir = run_dir
+    acc = EventAccumulator(log_dir, size_guidance={"tensors": 0, "images": 0, "scalars": 0})
+    acc.Reload()
+    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith("mfu/breakdown_table")]
+    events = acc.Tensors(tag)
+    step = events[0].step
+    text = events[0].tensor_proto.string_val[0].decode()
+    scal = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"] if t.startswith("mfu/window/")}
+    fractions = {p: scal[f"mfu/window/breakdown/{p}"][step] for p in BREAKDOWN_PARTS}
+    mfu = scal["mfu/window/mfu"][step]
+    assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-5)
+    for p in BREAKDOWN_PARTS:  # the table's percentages are the scalars, to its 2 decimals
+        m = re.search(rf"\| {p} \| ([0-9.]+) % \|", text)
+        assert m and float(m.group(1)) == pytest.approx(100 * fractions[p], abs=0.006), (p, text)
+    assert f"**{100 * mfu:.2f} %**" in text
+    title = text.splitlines()[0].strip("*")
+    (img_event,) = [e for e in acc.Images("mfu/waterfall") if e.step == step]
+    img = np.asarray(Image.open(io.BytesIO(img_event.encoded_image_string)).convert("RGB")).astype(int)
+    same = figure_to_array(waterfall_figure(fractions, mfu, title)).astype(int)
+    moved = dict(fractions, compute=fractions["compute"] - 0.05, other=fractions["other"] + 0.05)
+    other = figure_to_array(waterfall_figure(moved, mfu, title)).astype(int)
+    assert img.shape == same.shape
+    assert np.abs(img - same).mean() < 0.5 < np.abs(img - other).mean()
+    assert "peak FLOP/s: measured" in text  # the CPU peak says where it comes from

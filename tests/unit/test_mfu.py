@@ -39,21 +39,26 @@ def test_batch_tokens():
 
 
 def test_split_step_by_hand():
+    zero = dict.fromkeys(R.BREAKDOWN_PARTS, 0.0)
     # no window yet: fwd+bwd is all compute
     f = split_step(100, data_ms=10, fwd_bwd_ms=70, optimizer_ms=20, window=None, recompute_share=0.0)
-    assert f == pytest.approx({"compute": 0.7, "recompute": 0, "exposed_comm": 0, "bubble": 0, "data_wait": 0.1,
-                               "optimizer": 0.2, "other": 0})
-    # window measured at fwd+bwd 35 ms: exposed 5, bubble 2.5, idle 1 -> scaled x2 to this step's 70 ms:
-    # 10, 5, 2; the remaining 53 ms of compute: 20 % recompute (10.6) and 42.4 compute.
+    assert f == pytest.approx(zero | {"compute": 0.7, "data_wait": 0.1, "optimizer": 0.2})
+    # window measured at fwd+bwd 35 ms: exposed 5 ms and bubble 2.5 ms carry in ms (waits are not slowed by the
+    # profiler), host idle 1 ms of 35 carries as a share: 2 ms of this step's 70 ms; the remaining
+    # 70 - 9.5 = 60.5 ms of compute: 20 % recompute (12.1) and 48.4 compute.
     w = _Window(step=3, fwd_bwd_ms=35, exposed_ms=5, bubble_ms=2.5, other_ms=1)
     f = split_step(100, 10, 70, 20, w, recompute_share=0.2)
-    assert f == pytest.approx({"compute": 0.424, "recompute": 0.106, "exposed_comm": 0.1, "bubble": 0.05,
-                               "data_wait": 0.1, "optimizer": 0.2, "other": 0.02})
+    assert f == pytest.approx(zero | {"compute": 0.484, "recompute": 0.121, "exposed_comm": 0.05, "bubble": 0.025,
+                                      "data_wait": 0.1, "optimizer": 0.2, "other": 0.02})
     assert sum(f.values()) == pytest.approx(1.0)
-    # a window whose losses exceed fwd+bwd is scaled down to fit; nothing goes negative
+    # waits longer than this step's fwd+bwd are clipped to it, in precedence order; nothing goes negative
     f = split_step(20, 5, 10, 5, _Window(0, 10, 8, 4, 0), 0.0)
-    assert f["compute"] == 0 and f["exposed_comm"] == pytest.approx(10 / 12 * 8 / 20)
+    assert f["compute"] == 0 and f["exposed_comm"] == pytest.approx(8 / 20) and f["bubble"] == pytest.approx(2 / 20)
     assert min(f.values()) >= 0 and sum(f.values()) == pytest.approx(1.0)
+    # the gap before the batch: validation, checkpoint and the monitor's own profiler work are not data wait
+    f = split_step(400, 10, 70, 20, None, 0.0, validation_ms=150, checkpoint_ms=100, profiler_ms=50)
+    assert f == pytest.approx(zero | {"compute": 0.175, "data_wait": 0.025, "optimizer": 0.05, "validation": 0.375,
+                                      "checkpoint": 0.25, "profiler_overhead": 0.125})
 
 
 def test_points_lost_add_up_to_achieved_mfu():
@@ -67,6 +72,7 @@ def test_points_lost_add_up_to_achieved_mfu():
 
 def test_report_layer(tmp_path):
     fr = dict.fromkeys(R.BREAKDOWN_PARTS, 0.0) | {"compute": 0.8, "other": 0.2}
+    assert R.points_lost(dict(fr, compute=0.0), mfu=0.0)["other"] == 0.0  # no compute: no ideal, no 1e17 losses
     table = R.markdown_table(fr, mfu=0.4, step_time_s=0.5)
     assert "| exposed_comm | 0.00 % | 0.00 | 0.000 |" in table and "**40.00 %**" in table
     assert "| other | 20.00 % | 10.00 | 100.000 |" in table  # ideal 50 % x 0.2 ; 0.5 s x 0.2

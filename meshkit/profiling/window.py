@@ -1,0 +1,183 @@
+"""Profiler windows: when a ``torch.profiler`` window runs, what it costs, and what its trace says.
+
+:class:`ProfilerWindows` owns the window logic that ``MFUMonitor`` drives from its hooks: start
+and stop the profiler (1 warm-up + ``steps`` active batches), write meshkit's phase markers into
+the trace (``meshkit:forward_backward``, ``meshkit:optimizer``, ``meshkit:validation``,
+``meshkit:checkpoint``: the spans :mod:`meshkit.profiling.overlap`'s step model reads), export the
+trace to ``rank{R}.{first_batch}.pt.trace.json``, parse it **once** into per-step buckets, and
+space the windows so that their measured cost stays within a budget.
+
+Example::
+
+    >>> w = ProfilerWindows("/tmp/prof", rank=0, every=100, start=5, steps=2, budget=0.005)
+    >>> w.due(batch=5), w.due(batch=4)
+    (True, False)
+    >>> w.next_gap(cost_s=0.5, step_s=0.1)   # 0.5 s / (0.5 % of 0.1 s) = 1000 batches
+    1000
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshkit.profiling.overlap import step_buckets, step_claims
+from meshkit.profiling.trace import RankTrace, load_rank_trace
+
+__all__ = ["ProfilerWindows", "WindowSteps", "MARKERS"]
+
+MARKERS = ("forward_backward", "optimizer", "validation", "checkpoint")
+"""The phases meshkit marks in a window's trace, as ``record_function("meshkit:<phase>")``."""
+
+
+@dataclass
+class WindowSteps:
+    """What one window's trace says about its active batches (ms per batch, by trace bucket)."""
+
+    first: int
+    """The window's first batch (its warm-up batch)."""
+    batches: list[int]
+    """The active batches, in order."""
+    buckets_ms: list[dict[str, float]]
+    """Per active batch: :data:`meshkit.profiling.overlap.TRACE_BUCKETS` in ms."""
+    trace: RankTrace | None = None
+    claims: list = field(default_factory=list)
+
+    def mean(self, name: str) -> float:
+        return float(np.mean([b[name] for b in self.buckets_ms])) if self.buckets_ms else 0.0
+
+
+class ProfilerWindows:
+    """Start, mark, stop, parse and schedule ``torch.profiler`` windows for one rank.
+
+    Args:
+        trace_dir: where traces go.
+        rank: this process's global rank (in the file name).
+        every: a window at most every this many batches (0: never).
+        start: the first window's batch.
+        steps: active batches per window (after one warm-up batch).
+        budget: the largest share of training time windows may take (``None``: no limit).
+        cuda: also record CUDA activity.
+        metadata: top-level keys written into every trace (JSON-serialisable values), e.g. the peak
+            FLOP/s that ``meshkit analyze`` then reports.
+    """
+
+    def __init__(self, trace_dir: str, rank: int, every: int, start: int, steps: int,
+                 budget: float | None, cuda: bool = False, metadata: dict[str, Any] | None = None) -> None:
+        self.trace_dir, self.rank, self.every, self.steps = trace_dir, rank, every, steps
+        self.budget, self.cuda, self.metadata = budget, cuda, dict(metadata or {})
+        self.next_batch = start
+        self.first = -1
+        self.history: list[dict[str, float]] = []
+        """Per finished window: batch, cost_s, step_s, next_batch."""
+        self._prof: Any = None
+        self._seen = 0
+        self._t0 = 0.0
+        self._open: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def due(self, batch: int) -> bool:
+        return bool(self.every) and batch >= self.next_batch and not self.active
+
+    def start(self, batch: int) -> None:
+        """Start a window at ``batch`` (its warm-up batch)."""
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        os.makedirs(self.trace_dir, exist_ok=True)
+        self._t0 = time.perf_counter()
+        self.first, self._seen = batch, 0
+        self._prof = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=self.steps, repeat=1),
+                             on_trace_ready=lambda p: p.export_chrome_trace(self.path(self.first)),
+                             record_shapes=False, with_stack=False)
+        self._prof.start()
+        for key, value in self.metadata.items():
+            self._prof.add_metadata_json(key, json.dumps(value))
+
+    def step(self) -> bool:
+        """The end of a batch inside the window; True when the window's last batch has ended."""
+        self._prof.step()
+        self._seen += 1
+        return self._seen >= 1 + self.steps
+
+    def stop(self) -> WindowSteps | None:
+        """Stop the profiler (exporting the trace), parse this rank's trace once, and return its batches."""
+        self.mark_end_all()
+        self._prof.stop()
+        self._prof = None
+        path = self.path(self.first)
+        if not os.path.exists(path):
+            return None
+        rt = load_rank_trace(path, self.rank)
+        if rt.step_windows.shape[0] == 0:
+            return None
+        claims = step_claims(rt)
+        b = step_buckets(rt, claims)
+        n = rt.step_windows.shape[0]
+        # ProfilerStep#k spans the k-th prof.step() to the next: batch first + k (k = 1 .. steps).
+        batches = [self.first + int(k) for k in rt.step_ids]
+        per = [{name: float(v[i]) / 1e3 for name, v in b.items()} for i in range(n)]
+        return WindowSteps(self.first, batches, per, rt, claims)
+
+    def discard(self) -> None:
+        """Stop an unfinished window (e.g. the run ended inside it) and delete its trace."""
+        if self._prof is None:
+            return
+        self.mark_end_all()
+        self._prof.stop()
+        self._prof = None
+        if os.path.exists(self.path(self.first)):
+            os.remove(self.path(self.first))
+
+    def path(self, first: int, rank: int | None = None) -> str:
+        return os.path.join(self.trace_dir, f"rank{self.rank if rank is None else rank}.{first}.pt.trace.json")
+
+    # ---------------------------------------------------------------- markers
+
+    def mark_begin(self, phase: str) -> None:
+        """Open ``meshkit:<phase>`` in the trace (only while a window records)."""
+        if self._prof is None or phase in self._open:
+            return
+        from torch.autograd.profiler import record_function
+
+        rf = record_function(f"meshkit:{phase}")
+        rf.__enter__()
+        self._open[phase] = rf
+
+    def mark_end(self, phase: str) -> None:
+        rf = self._open.pop(phase, None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    def mark_end_all(self) -> None:
+        for phase in list(self._open):
+            self.mark_end(phase)
+
+    # ---------------------------------------------------------------- cost and spacing
+
+    def cost_s(self, step_s: float) -> float:
+        """This window's cost so far: wall time since its start minus its batches at ``step_s`` each."""
+        return max(time.perf_counter() - self._t0 - (1 + self.steps) * step_s, 0.0)
+
+    def next_gap(self, cost_s: float, step_s: float) -> int:
+        """Batches until the next window: ``every``, or more so that ``cost / gap`` stays within budget."""
+        gap = self.every
+        if self.budget is not None and step_s > 0:
+            gap = max(gap, math.ceil(cost_s / (self.budget * step_s)))
+        return gap
+
+    def schedule(self, cost_s: float, step_s: float) -> None:
+        """Record the finished window (cost agreed across ranks) and set the next one's batch."""
+        self.next_batch = self.first + self.next_gap(cost_s, step_s)
+        self.history.append({"batch": self.first, "cost_s": cost_s, "step_s": step_s, "next_batch": self.next_batch})
