@@ -33,9 +33,11 @@ Example::
 
 from meshkit.plugins.planner.cli import configure_parser, run_cli
 from meshkit.plugins.planner.costs import (
+    CALIBRATION,
     DEFAULT_RIDGE,
     GPU_TABLE,
     SCHEDULES,
+    Calibration,
     GpuSpec,
     attention_efficiency,
     bubble_fraction,
@@ -54,21 +56,26 @@ from meshkit.plugins.planner.costs import (
     tp_bytes_per_layer,
     tp_comm_ratio,
 )
-from meshkit.plugins.planner.explain import explain, format_table
+from meshkit.plugins.planner.explain import compare, explain, format_table, header
 from meshkit.plugins.planner.model import (
     CHECKPOINTING,
+    FFN_MULTIPLE,
     ModelSpec,
     activation_bytes_per_layer,
     model_state_bytes,
+    round_ffn,
     training_flops_per_token,
     zero3_buffer_bytes,
 )
 from meshkit.plugins.planner.search import (
     CPU_NOMINAL_TFLOPS,
+    ERROR_BAND,
+    LAYOUT_FIELDS,
     LOSSES,
     Layout,
     Plan,
     auto_nd_dims,
+    parse_layout,
     plan,
     plan_for_world,
 )
@@ -76,6 +83,8 @@ from meshkit.plugins.planner.search import (
 __all__ = [
     # inputs
     "ModelSpec",
+    "FFN_MULTIPLE",
+    "round_ffn",
     "GpuSpec",
     "GPU_TABLE",
     "gpu_spec",
@@ -102,6 +111,8 @@ __all__ = [
     "matmul_efficiency",
     "attention_efficiency",
     "DEFAULT_RIDGE",
+    "Calibration",
+    "CALIBRATION",
     # results
     "LOSSES",
     "Layout",
@@ -110,8 +121,13 @@ __all__ = [
     "plan_for_world",
     "auto_nd_dims",
     "CPU_NOMINAL_TFLOPS",
+    "ERROR_BAND",
+    "LAYOUT_FIELDS",
+    "parse_layout",
     "explain",
     "format_table",
+    "header",
+    "compare",
     # CLI
     "configure_parser",
     "run_cli",

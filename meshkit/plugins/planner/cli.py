@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshkit.plugins.planner.costs import GPU_TABLE, SCHEDULES
+from meshkit.plugins.planner.costs import CALIBRATION, GPU_TABLE, SCHEDULES
+from meshkit.plugins.planner.explain import compare, header
 from meshkit.plugins.planner.model import CHECKPOINTING, ModelSpec
 from meshkit.plugins.planner.search import plan
 
@@ -41,7 +42,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--inter-bw", type=float, default=None, help="per-direction GB/s across nodes (default 50 on H100)")
     g.add_argument("--peak-tflops", type=float, default=None, help="dense peak (default: profiling's peak table)")
     g.add_argument("--achieved-tflops", type=float, default=None,
-                   help="TFLOP/s large matmuls sustain in training (default 50%% of peak)")
+                   help="TFLOP/s large matmuls sustain in training (default: --achieved-fraction of peak)")
+    g.add_argument("--achieved-fraction", type=float, default=None,
+                   help=f"share of peak large matmuls sustain (default {CALIBRATION.achieved_fraction:g}, fitted)")
+    g.add_argument("--comm-efficiency", type=float, default=None,
+                   help=f"share of the link bandwidths collectives reach (default {CALIBRATION.comm_efficiency:g}, "
+                        "fitted)")
+    g.add_argument("--ridge-scale", type=float, default=None,
+                   help=f"kernel-shape ridge as a share of --roofline-ridge (default {CALIBRATION.ridge_scale:g}, "
+                        "fitted)")
     g.add_argument("--roofline-ridge", type=float, default=None,
                    help="FLOP/byte at which a kernel's memory time equals its math time; sets how much small "
                         "per-GPU matmuls and attention chunks slow down (default peak / HBM bandwidth, 295 on "
@@ -53,6 +62,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="TP activations sharded over the sequence (Megatron/torchtitan SP; default on)")
+    g.add_argument("--layout", default=None,
+                   help="evaluate exactly this layout beside the best, e.g. "
+                        "'dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8[,zero=1,schedule=1f1b,v=1,m=256,ac=none]'")
     for axis in ("tp", "pp", "cp"):
         g.add_argument(f"--max-{axis}", type=int, default=None, help=f"largest {axis} degree to try (1: no {axis})")
     g = parser.add_argument_group("output")
@@ -69,6 +83,8 @@ def run_cli(args: argparse.Namespace) -> int:
                       nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
                       intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
                       achieved_tflops=args.achieved_tflops, roofline_ridge=args.roofline_ridge,
+                      achieved_fraction=args.achieved_fraction, comm_efficiency=args.comm_efficiency,
+                      ridge_scale=args.ridge_scale, sequence_parallel=args.sequence_parallel, layout=args.layout,
                       zero_stage=args.zero, schedule=args.schedule,
                       activation_checkpointing=args.activation_checkpointing,
                       optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
@@ -79,11 +95,9 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_dict(top=args.top), indent=1))
     else:
-        inp = result.inputs
-        print(f"{inp['params'] / 1e9:.1f}B params, seq {inp['seq_len']}, batch {inp['global_batch']} on "
-              f"{inp['nodes']}×{inp['gpus_per_node']} {inp['gpu']} ({inp['memory_gb']:.0f} GB, "
-              f"{inp['intra_bw_gbs']:g}/{inp['inter_bw_gbs']:g} GB/s, {inp['achieved_tflops']:.0f} of "
-              f"{inp['peak_tflops']:.0f} TFLOP/s); {len(result.feasible)} of {len(result.layouts)} layouts fit")
+        print("\n".join(header(result)))
         print(result.table(args.top))
         print(result.explanation)
+        if result.named is not None:
+            print(compare(result.named, result.best))
     return 0 if result.best is not None else 1

@@ -23,6 +23,8 @@ __all__ = [
     "GPU_TABLE",
     "gpu_spec",
     "SCHEDULES",
+    "Calibration",
+    "CALIBRATION",
     "inflight_microbatches",
     "bubble_fraction",
     "ring_allreduce_bytes",
@@ -42,6 +44,31 @@ __all__ = [
 ]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The planner's free constants, fitted to published runs (:mod:`meshkit.plugins.planner.calibration`;
+    values, rows and sources in docs/planner.md)."""
+
+    achieved_fraction: float
+    """Share of the dense peak large bf16 matmuls sustain in training (``plan(achieved_fraction=)``)."""
+    ridge_scale: float
+    """The kernel-shape curve's ridge as a share of the roofline ridge peak / HBM bandwidth: real GEMM tiles
+    reuse operands from on-chip memory and overlap loads with math, so a dimension costs less than the additive
+    soft roofline says."""
+    comm_efficiency: float
+    """Share of the datasheet per-direction link bandwidth a ring collective achieves (NCCL bus bandwidth)."""
+    attention_fraction: float = 1.0
+    """Fused attention's (FlashAttention's) large-shape rate as a share of the matmuls' (its softmax and
+    masking run on the non-tensor-core units)."""
+
+
+CALIBRATION = Calibration(achieved_fraction=0.63, ridge_scale=0.1, comm_efficiency=1.0, attention_fraction=0.3)
+"""The constants plan() uses by default: :func:`meshkit.plugins.planner.calibration.fit` on the calibration
+table's fit rows (Megatron-LM's H100 weak-scaling 1.7B, 16B, 70B, 177B, 462B; torchtitan's Llama 3.1 8B on 8
+H100). The attention fraction also absorbs the work the FLOP count does not see (norms, RoPE, softmax,
+elementwise), which, like attention, weighs most on small hidden sizes and long sequences."""
 
 
 @dataclass(frozen=True)

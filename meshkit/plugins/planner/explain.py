@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from meshkit.plugins.planner.model import GiB
-from meshkit.plugins.planner.search import LOSSES, Layout, Plan, _loss_phrase
+from meshkit.plugins.planner.model import FFN_MULTIPLE, GiB
+from meshkit.plugins.planner.search import ERROR_BAND, LOSSES, Layout, Plan, _loss_phrase
 
-__all__ = ["explain", "format_table"]
+__all__ = ["explain", "format_table", "header", "compare"]
 
 
 def explain(plan: Plan) -> str:
@@ -50,10 +50,12 @@ def explain(plan: Plan) -> str:
     text += (f"; {runner.step_time_s / best.step_time_s:.2f}× faster than the best other shape, "
              f"{runner.describe()} ({runner.step_time_s:.3g} s/step): {why}.")
     close = len({(lay.pp, lay.cp, lay.tp) for lay in plan.feasible
-                 if lay.step_time_s <= best.step_time_s * 1.03} - {shape})
+                 if lay.step_time_s <= best.step_time_s * (1 + ERROR_BAND)} - {shape})
     if close:
-        text += (f" {close} other pp/cp/tp shape(s) come within 3%, inside this model's error: "
+        text += (f" {close} other pp/cp/tp shape(s) come within {ERROR_BAND:.0%}, inside this model's error: "
                  "any of them is a sound choice.")
+    if plan.tie_break:
+        text += " " + plan.tie_break
     return text
 
 
@@ -86,27 +88,90 @@ def _why_infeasible(plan: Plan) -> str:
     return text
 
 
+_SHORT = {"none": "-", "interleaved": "int1f1b", "interleaved_1f1b": "int1f1b", "zero_bubble": "zb-h1",
+          "interleaved_zero_bubble": "zb-h1"}
+
+
+def _schedule_cell(lay: Layout) -> str:
+    name = _SHORT.get(lay.schedule, lay.schedule)
+    return name + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+
+
 def format_table(layouts: Sequence[Layout]) -> str:
-    """A fixed-width table of layouts, one per line, for logs and the CLI.
+    """A fixed-width table of layouts for logs and terminals (under 100 columns): one line of numbers per layout,
+    its reason on the line below.
 
     Example::
 
         >>> from meshkit.plugins.planner import Layout
         >>> table = format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)])
         >>> table.splitlines()[0].split()[:6], len(table.splitlines())
-        (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
+        (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 3)
     """
-    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
-            f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'mm eff':>6} {'step s':>7} "
-            f"{'MFU':>5}  fits  reason")
+    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<10} {'m':>4} "
+            f"{'ac':<4} {'mem GB':>6} {'act GB':>6} {'bubble':>6} {'mm eff':>6} {'step s':>7} {'MFU':>6} fits")
     lines = [head]
     for i, lay in enumerate(layouts, 1):
         lines.append(
             f"{i:<3} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.pp:>3} {lay.cp:>3} {lay.tp:>3} {lay.zero_stage:>4} "
-            f"{lay.schedule:<11} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
-            f"{lay.activation_gb:>7.1f} {lay.bubble_fraction:>7.1%} {lay.tp_comm_ratio:>8.3f} "
-            f"{lay.matmul_efficiency:>6.0%} {lay.step_time_s:>7.3g} {lay.predicted_mfu:>5.1%}  "
-            f"{'yes' if lay.feasible else 'no ':<4}  {lay.reason}"
+            f"{_schedule_cell(lay):<10} {lay.microbatches:>4} {lay.activation_checkpointing[:4]:<4} "
+            f"{lay.memory_gb:>6.1f} {lay.activation_gb:>6.1f} {lay.bubble_fraction:>6.1%} "
+            f"{lay.matmul_efficiency:>6.0%} {lay.step_time_s:>7.3g} {lay.predicted_mfu:>6.1%} "
+            f"{'yes' if lay.feasible else 'no'}"
         )
+        lines.append(f"    {lay.reason}")
     return "\n".join(lines)
 
+
+def header(plan: Plan) -> list[str]:
+    """The lines above the table: the inputs, how the width and the activations were modelled, and every
+    structural rule that removed a whole axis."""
+    inp = plan.inputs
+    lines = [f"{inp['params'] / 1e9:.1f}B params, seq {inp['seq_len']}, batch {inp['global_batch']} on "
+             f"{inp['nodes']}×{inp['gpus_per_node']} {inp['gpu']} ({inp['memory_gb']:.0f} GB, "
+             f"{inp['intra_bw_gbs']:g}/{inp['inter_bw_gbs']:g} GB/s at {inp['comm_efficiency']:.0%}, "
+             f"{inp['achieved_tflops']:.0f} of {inp['peak_tflops']:.0f} TFLOP/s); "
+             f"{len(plan.feasible)} of {len(plan.layouts)} layouts fit"]
+    if inp.get("ffn_derived"):
+        lines.append(f"ffn={inp['ffn']}: derived from the parameter count and rounded up to a multiple of "
+                     f"{FFN_MULTIPLE} as SwiGLU models are built (pass --ffn for the real width)")
+    lines.append("activations: " + ("sequence parallel, s·b·h·(10 + 8 + 6f/h)/t per layer"
+                                    if inp.get("sequence_parallel") else
+                                    "no sequence parallelism, s·b·h·(10 + (8 + 6f/h)/t) per layer"))
+    for axis, rule in plan.removed_axes.items():
+        lines.append(f"no layout has {axis} > 1: {rule}")
+    return lines
+
+
+_TERMS = (("compute", "model FLOPs at the large-shape rate"), ("kernels", "kernel shapes"),
+          ("recompute", "activation recompute"), ("bubble", "pipeline bubble"), ("tp", "TP comm"),
+          ("pp", "PP comm"), ("cp", "CP comm, exposed"), ("dp", "DP comm, exposed"))
+
+
+def compare(named: Layout, best: Layout | None) -> str:
+    """The named layout beside the best one, term by term (seconds per step), and where it ranks.
+
+    Example::
+
+        >>> from meshkit.plugins.planner import ModelSpec, plan, compare
+        >>> p = plan(ModelSpec(layers=4, hidden=64, heads=4), seq_len=64, global_batch=8, gpus_per_node=4,
+        ...          gpu="cpu", memory_gb=1, peak_tflops=0.1, layout="tp=4")
+        >>> compare(p.named, p.best).splitlines()[0].startswith("layout tp=4")
+        True
+    """
+    head = (f"layout {named.describe()}: rank {named.rank}, {named.step_time_s:.3g} s/step, predicted MFU "
+            f"{named.predicted_mfu:.1%}, {named.memory_gb:.1f}/{named.memory_limit_gb:.1f} GB"
+            + ("" if named.feasible else " (does NOT fit)"))
+    if best is None:
+        return head + "; no layout fits, so there is no best to compare with."
+    lines = [head + f"; {named.vs_best:.2f}× the best's step time",
+             f"  {'term (s/step)':<38} {'named':>9} {'best':>9} {'named-best':>10}"]
+    rows = [("compute", named.ideal_compute_s, best.ideal_compute_s)]
+    rows += [(key, named.losses_s[key], best.losses_s[key]) for key, _ in _TERMS[1:]]
+    labels = dict(_TERMS)
+    for key, a, b in rows:
+        lines.append(f"  {labels[key]:<38} {a:>9.3g} {b:>9.3g} {a - b:>+10.3g}")
+    lines.append(f"  {'step':<38} {named.step_time_s:>9.3g} {best.step_time_s:>9.3g} "
+                 f"{named.step_time_s - best.step_time_s:>+10.3g}")
+    lines.append(f"  best: {best.describe()}")
+    return "\n".join(lines)

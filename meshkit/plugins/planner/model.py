@@ -13,7 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from meshkit.modelspec import read_shape
@@ -22,6 +23,8 @@ __all__ = [
     "GiB",
     "CHECKPOINTING",
     "ModelSpec",
+    "FFN_MULTIPLE",
+    "round_ffn",
     "model_state_bytes",
     "zero3_buffer_bytes",
     "activation_bytes_per_layer",
@@ -30,6 +33,20 @@ __all__ = [
 
 GiB = float(2**30)
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+FFN_MULTIPLE = 256
+"""SwiGLU widths are built as multiples of this (Llama's ``multiple_of=256``: 14336, 28672, 53248)."""
+
+
+def round_ffn(width: float, heads: int) -> int:
+    """A derived SwiGLU width rounded up the way real models are built: to a multiple of 256 (Llama's
+    ``FeedForward(multiple_of=256)``), or of lcm(256, heads) when heads does not divide that, so every tensor
+    parallel degree that divides the heads also divides the width (a derived width never forbids a tp).
+
+    >>> round_ffn(24413.6, 64), round_ffn(53619.2, 128), round_ffn(1000, 24)   # 70B, 405B from params; 24 heads
+    (24576, 53760, 1536)
+    """
+    multiple = FFN_MULTIPLE if FFN_MULTIPLE % heads == 0 else math.lcm(FFN_MULTIPLE, heads)
+    return multiple * max(1, math.ceil(width / multiple - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -51,13 +68,16 @@ class ModelSpec:
     kv_heads: int | None = None
     """Key/value heads (GQA); None means ``heads``."""
     ffn: int | None = None
-    """SwiGLU hidden size; None: inferred from ``params`` if given, else 4·h (GPT's MLP; 12·h² per layer)."""
+    """SwiGLU hidden size; None: derived from ``params`` if given (rounded up as real models are built, see
+    :data:`FFN_MULTIPLE`), else 4·h (GPT's MLP; 12·h² per layer)."""
     vocab: int = 32000
     """Vocabulary size."""
     params: float | None = None
     """Total parameters; when given, every count derived from the shape is scaled to it."""
     tied_embeddings: bool = False
     """Input embedding and output projection share one matrix."""
+    ffn_derived: bool = field(default=False, init=False, compare=False, repr=False)
+    """True when ``ffn`` was derived from ``params`` (and rounded) rather than given."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "vocab"):
@@ -80,7 +100,7 @@ class ModelSpec:
             ffn = 4 * self.hidden
             if self.params is not None:
                 rest = self.params - self._embedding_params() - self.layers * self._attention_params()
-                ffn = round(rest / (3 * self.hidden * self.layers))
+                ffn = rest / (3 * self.hidden * self.layers)
                 if ffn < 1:
                     raise ValueError(
                         f"ModelSpec: `params={self.params:.3g}` is smaller than the embeddings and attention of "
@@ -88,6 +108,8 @@ class ModelSpec:
                         "so no FFN size fits. "
                         "Check the shape or pass `ffn=`."
                     )
+                ffn = round_ffn(ffn, self.heads)
+                object.__setattr__(self, "ffn_derived", True)
             object.__setattr__(self, "ffn", ffn)
 
     # ---- parameter counts (before the optional scaling to `params`) ----

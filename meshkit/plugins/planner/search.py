@@ -16,14 +16,16 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from meshkit.modelspec import read_shape
 from meshkit.plugins.planner.costs import (
+    CALIBRATION,
     DEFAULT_RIDGE,
     GPU_TABLE,
     SCHEDULES,
@@ -62,6 +64,9 @@ __all__ = [
     "plan_for_world",
     "auto_nd_dims",
     "CPU_NOMINAL_TFLOPS",
+    "ERROR_BAND",
+    "LAYOUT_FIELDS",
+    "parse_layout",
 ]
 
 
@@ -107,6 +112,8 @@ class Layout:
     dp_overlap_ok: bool = True
     """Tokens per dp rank ≥ F/W (:func:`dp_overlap_tokens`): the gradient sync can hide behind compute."""
     tp_intra_node: bool = True
+    cross_node_axes: int = 0
+    """Parallel axes (of degree > 1) whose collectives cross nodes: the tie rule prefers fewer."""
     matmul_efficiency: float = 1.0
     """Share of the achieved (large-shape) FLOP/s this layout's matmuls sustain (:func:`matmul_efficiency`)."""
     attention_efficiency: float = 1.0
@@ -118,6 +125,10 @@ class Layout:
     feasible: bool = False
     losses: tuple[float, ...] = field(default=(0.0,) * len(LOSSES), repr=False)
     """Seconds each overhead adds to the step, in the order of :data:`LOSSES`."""
+    rank: int | None = None
+    """Only on a layout named with ``plan(..., layout=...)``: 1 + the layouts of the plan ranked before it."""
+    vs_best: float | None = None
+    """Only on a named layout: its predicted step time over the best layout's (None when nothing fits)."""
 
     @property
     def world_size(self) -> int:
@@ -140,6 +151,23 @@ class Layout:
         key = LOSSES[self.losses.index(worst)]
         return f"largest loss: {_loss_phrase(self, key)}, {worst / self.step_time_s:.0%} of the step; {mem}"
 
+    @property
+    def ideal_compute_s(self) -> float:
+        """Seconds the model FLOPs take at the large-shape rate: compute less recompute and kernel-shape losses."""
+        return self.compute_s - self.losses[LOSSES.index("recompute")] - self.losses[LOSSES.index("kernels")]
+
+    def spec(self) -> str:
+        """This layout as ``plan(..., layout=)`` / ``meshkit plan --layout`` take it (every field; round-trips).
+
+        Example::
+
+            >>> Layout(1, 1, 8, 1, 8, 0, "1f1b", 256, "none").spec()
+            'dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8,zero=0,schedule=1f1b,v=1,m=256,ac=none'
+        """
+        return (f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},pp={self.pp},cp={self.cp},tp={self.tp},"
+                f"zero={self.zero_stage},schedule={self.schedule},v={self.virtual_stages},m={self.microbatches},"
+                f"ac={self.activation_checkpointing}")
+
     def describe(self) -> str:
         """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
         axes = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
@@ -157,10 +185,13 @@ class Layout:
         keys = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero_stage", "schedule", "microbatches",
                 "virtual_stages", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb",
                 "memory_limit_gb", "bubble_fraction", "tp_comm_ratio", "pp_comm_ratio", "cp_comm_ratio",
-                "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "matmul_efficiency", "attention_efficiency",
-                "compute_s", "step_time_s", "predicted_mfu", "feasible", "reason")
+                "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "cross_node_axes", "matmul_efficiency",
+                "attention_efficiency", "compute_s", "step_time_s", "predicted_mfu", "feasible", "reason")
         out = {k: getattr(self, k) for k in keys}
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+        out["losses_s"] = self.losses_s
+        if self.rank is not None:  # a named layout: where it ranks, and how far from the best
+            out.update(rank=self.rank, vs_best=self.vs_best)
+        return {k: _rounded(v) for k, v in out.items()}
 
     def to_parallel_dims(self) -> Any:
         """The :class:`~meshkit.plugins.dims.ParallelDims` of this layout."""
@@ -168,6 +199,14 @@ class Layout:
 
         return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp, cp=self.cp,
                             tp=self.tp, world_size=self.world_size)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
 
 
 @dataclass
@@ -186,6 +225,7 @@ class _Ctx:
     peak: float
     achieved: float
     ridge: float  # FLOP/byte, roofline_efficiency's ridge point; 0: no kernel-shape model
+    attention_rate: float  # fused attention's large-shape rate as a share of the matmuls'
     optimizer_bytes: float
     zero_stages: tuple[int, ...]
     schedules: tuple[str, ...]
@@ -233,7 +273,7 @@ class _Compute:
     def of(cls, ctx: _Ctx, cp: int, tp: int) -> "_Compute":
         mdl, s = ctx.model, ctx.seq
         mm_eff = matmul_efficiency(mdl, ctx.micro * s / cp, tp, ctx.ridge)
-        at_eff = attention_efficiency(s, cp, ctx.ridge)
+        at_eff = attention_efficiency(s, cp, ctx.ridge) * ctx.attention_rate
         per_gpu = ctx.batch * s / ctx.world / ctx.achieved  # seconds per (FLOP per token) at full efficiency
         attn = mdl.layers * mdl.hidden * s  # the PaLM attention term per token is 12 of these
         # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
@@ -276,21 +316,32 @@ def _structural_rule(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> str |
     return None
 
 
-def _enumerate(ctx: _Ctx) -> tuple[list[Layout], dict[str, int]]:
+def _enumerate(ctx: _Ctx) -> tuple[list[Layout], dict[str, int], dict[str, str]]:
+    """Every layout of the world, the structural rules with how many degree combinations each ruled out, and the
+    axes a rule removed entirely (no combination with that axis > 1 survived) with the rule that removed most."""
     layouts: list[Layout] = []
     rejected: dict[str, int] = {}
+    axes = ("pp", "cp", "tp")
+    kept = dict.fromkeys(axes, False)
+    why: dict[str, dict[str, int]] = {a: {} for a in axes}
     w = ctx.world
     for r in _divisors(w):
         for d in _divisors(w // r):
             for p in _divisors(w // (r * d)):
                 for c in _divisors(w // (r * d * p)):
                     t = w // (r * d * p * c)
+                    degrees = dict(zip(axes, (p, c, t)))
                     rule = _structural_rule(ctx, r, d, p, c, t)
                     if rule is None:
                         layouts.extend(_layouts_for(ctx, r, d, p, c, t))
+                        kept.update({a: True for a, n in degrees.items() if n > 1})
                     else:
                         rejected[rule] = rejected.get(rule, 0) + 1
-    return layouts, rejected
+                        for a, n in degrees.items():
+                            if n > 1:
+                                why[a][rule] = why[a].get(rule, 0) + 1
+    removed = {a: max(why[a], key=why[a].get) for a in axes if not kept[a] and why[a]}
+    return layouts, rejected, removed
 
 
 def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layout]:
@@ -338,6 +389,8 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     tp_ratio = tp_comm_ratio(t, mdl.hidden, rate, tp_link[0])
     shard_link, rep_link = ctx.link(d * p * c * t), ctx.link(ctx.world)
     dp_bw = shard_link[0] if shard > 1 else rep_link[0]
+    links = ((t, tp_link), (c, cp_link), (p, pp_link), (d, shard_link), (r, rep_link))
+    cross = sum(1 for n, link in links if n > 1 and link is ctx.inter)
     overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
 
     runs: list[tuple[str, int]] = [("none", 1)]
@@ -378,7 +431,8 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
                     memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble, tp_comm_ratio=tp_ratio,
                     pp_comm_ratio=pp_ratio, cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute,
-                    dp_overlap_ok=overlap_ok, tp_intra_node=tp_link is ctx.intra, matmul_efficiency=times.matmul_eff,
+                    dp_overlap_ok=overlap_ok, tp_intra_node=tp_link is ctx.intra, cross_node_axes=cross,
+                    matmul_efficiency=times.matmul_eff,
                     attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
                     predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
                     losses=(bubble_time, tp_time[ac], pp_time, cp_exposed, dp_exposed, times.recompute[ac],
@@ -421,6 +475,40 @@ def _rank_key(lay: Layout) -> tuple:
 
 
 
+ERROR_BAND = 0.05
+"""Predicted step times this close (relative) to the fastest are ties: the calibration's held-out rows miss
+their published MFU by up to a few points (docs/planner.md), so a smaller difference is not a prediction."""
+_TIGHT = 0.9  # a layout using more than this share of the usable memory has little headroom
+
+
+def _tie_key(lay: Layout) -> tuple:
+    return (lay.memory_gb > _TIGHT * lay.memory_limit_gb, lay.cross_node_axes, lay.step_time_s)
+
+
+def _break_ties(layouts: list[Layout]) -> str:
+    """Among the feasible layouts within :data:`ERROR_BAND` of the fastest, move to the front the one with memory
+    headroom (under 90% of the usable memory) and the fewest axes whose collectives cross nodes; say what it did."""
+    if not layouts or not layouts[0].feasible:
+        return ""
+    fastest = layouts[0]
+    band = [lay for lay in layouts if lay.feasible and lay.step_time_s <= fastest.step_time_s * (1 + ERROR_BAND)]
+    choice = min(band, key=_tie_key)
+    if choice is fastest:
+        return ""
+    layouts.remove(choice)
+    layouts.insert(0, choice)
+    why = []
+    if _tie_key(fastest)[0] and not _tie_key(choice)[0]:
+        why.append(f"memory headroom ({choice.memory_gb:.1f} vs {fastest.memory_gb:.1f} of "
+                   f"{fastest.memory_limit_gb:.1f} GB)")
+    if choice.cross_node_axes < fastest.cross_node_axes:
+        why.append(f"fewer cross-node collectives ({choice.cross_node_axes} axes vs {fastest.cross_node_axes})")
+    return (f"tie rule: {len(band)} layouts are within the model's {ERROR_BAND:.0%} error band of the fastest "
+            f"({fastest.describe()}, {fastest.step_time_s:.3g} s/step); the first one has "
+            f"{' and '.join(why) or 'the same headroom and links'} at {choice.step_time_s / fastest.step_time_s:.3f}× "
+            "its predicted step time.")
+
+
 @dataclass
 class Plan:
     """Every layout the planner considered, ranked best first (feasible ones first), and why."""
@@ -429,6 +517,12 @@ class Plan:
     rejected: dict[str, int]
     """Structural rules and how many degree combinations each ruled out."""
     inputs: dict[str, Any]
+    removed_axes: dict[str, str] = field(default_factory=dict)
+    """Axes ("pp", "cp", "tp") a structural rule removed entirely (every degree > 1 ruled out) -> the rule."""
+    named: Layout | None = None
+    """The layout ``plan(..., layout=...)`` asked about, evaluated, with its ``rank`` and ``vs_best``."""
+    tie_break: str = ""
+    """What the tie rule (:data:`ERROR_BAND`) did to the top of the ranking, or "" when it changed nothing."""
 
     @property
     def feasible(self) -> list[Layout]:
@@ -447,10 +541,15 @@ class Plan:
         return explain(self)
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
+        """The JSON record (``meshkit plan --json``): the first ``top`` layouts, the best, the named one if any."""
         best = self.best
-        return {"layouts": [lay.to_dict() for lay in self.layouts[:top]],
-                "best": best.to_dict() if best else None, "explanation": self.explanation,
-                "rejected": dict(self.rejected), "inputs": self.inputs}
+        out = {"layouts": [lay.to_dict() for lay in self.layouts[:top]],
+               "best": best.to_dict() if best else None, "explanation": self.explanation,
+               "rejected": dict(self.rejected), "removed_axes": dict(self.removed_axes),
+               "tie_break": self.tie_break, "inputs": self.inputs}
+        if self.named is not None:
+            out["layout"] = self.named.to_dict()
+        return out
 
     def table(self, top: int | None = 10) -> str:
         """The first ``top`` layouts as a fixed-width table (:func:`meshkit.plugins.planner.explain.format_table`)."""
@@ -474,12 +573,15 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
          gpus_per_node: int = 8, gpu: str = "h100-sxm", memory_gb: float | None = None,
          intra_bw_gbs: float | None = None, inter_bw_gbs: float | None = None, intra_latency_us: float = 3.0,
          inter_latency_us: float = 5.0, peak_tflops: float | None = None,
-         achieved_tflops: float | None = None, achieved_fraction: float = 0.5, memory_margin: float = 0.10,
+         achieved_tflops: float | None = None, achieved_fraction: float | None = None, memory_margin: float = 0.10,
          optimizer_bytes: float = 16.0, zero_stage: int | Sequence[int] | None = None,
          activation_checkpointing: str | Sequence[str] = "auto", schedule: str | Sequence[str] = "auto",
          virtual_stages: Sequence[int] = (2, 4, 8), flash_attention: bool = True, sequence_parallel: bool = True,
          dtype: str = "bf16", max_pp: int | None = None, max_cp: int | None = None,
-         max_tp: int | None = None, roofline_ridge: float | None = None) -> Plan:
+         max_tp: int | None = None, roofline_ridge: float | None = None, ridge_scale: float | None = None,
+         comm_efficiency: float | None = None, attention_fraction: float | None = None,
+         layout: str | Mapping[str, Any] | None = None,
+         search: bool = True) -> Plan:
     """Enumerate every layout of ``nodes × gpus_per_node`` GPUs for ``model`` and rank them.
 
     ``model`` is a :class:`ModelSpec`, a meshkit ``LlamaConfig``, a Hugging Face config or a model with
@@ -488,12 +590,23 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     table: 450 GB/s NVLink, 50 GB/s InfiniBand on H100); ``peak_tflops`` defaults to profiling's dense
     peak for ``gpu`` and ``dtype``; achieved FLOP/s to ``achieved_fraction`` of it: the rate large matmuls
     sustain. A layout's kernels run at that rate times their shape efficiency (:func:`matmul_efficiency`,
-    :func:`attention_efficiency`), set by ``roofline_ridge`` (FLOP/byte; default the dense peak over the GPU's
-    memory bandwidth, 295 on an H100 SXM, :data:`DEFAULT_RIDGE` for a device outside the table; 0 turns
-    the shape model off). ``zero_stage``, ``schedule`` and
+    :func:`attention_efficiency`) at the ridge ``ridge_scale`` × ``roofline_ridge`` (FLOP/byte; default the
+    dense peak over the GPU's memory bandwidth, 295 on an H100 SXM, :data:`DEFAULT_RIDGE` for a device outside
+    the table; 0 turns the shape model off); fused attention at ``attention_fraction`` of the matmuls' rate.
+    Collectives run at ``comm_efficiency`` of the link bandwidths.
+    ``achieved_fraction``, ``ridge_scale``, ``attention_fraction`` and ``comm_efficiency`` default to :data:`CALIBRATION`, fitted to
+    published runs. ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
     ``flash_attention`` drops the s×s score term from the activations (FlashAttention / SDPA never
-    stores it); ``sequence_parallel`` shards TP activations as torchtitan's TP plan does.
+    stores it); ``sequence_parallel`` shards TP activations over the sequence (Megatron-LM's and torchtitan's
+    sequence parallelism; meshkit's strategy takes ``sequence_parallel=True`` for it); without it the
+    activations between TP regions are whole on every TP rank (:func:`activation_bytes_per_layer`).
+    ``layout`` names one layout (:func:`parse_layout`: ``"dp_shard=8,pp=8,tp=8"`` or a dict, optional
+    ``zero``, ``schedule``, ``v``, ``m``, ``ac``): the plan evaluates exactly it, as :attr:`Plan.named`, with its
+    ``rank`` among all layouts and ``vs_best``; a layout that cannot run at all raises ``ValueError``.
+    ``search=False`` skips the enumeration (no ranking: the plan holds only the named layout, without ``rank``
+    and ``vs_best``; fast, for calibration). Layouts within :data:`ERROR_BAND` of the fastest tie; the first is then the one with the most memory
+    headroom and the fewest cross-node collectives (:attr:`Plan.tie_break` says so).
     A plan with no feasible layout has ``best is None`` and an :attr:`Plan.explanation`; malformed
     input raises ``ValueError``.
 
@@ -516,8 +629,16 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         )
     if not 0 <= memory_margin < 1:
         raise ValueError(f"plan: `memory_margin={memory_margin}` must be in [0, 1), e.g. 0.1 for 10%.")
-    if not 0 < achieved_fraction <= 1:
-        raise ValueError(f"plan: `achieved_fraction={achieved_fraction}` must be in (0, 1], e.g. 0.5.")
+    achieved_fraction = CALIBRATION.achieved_fraction if achieved_fraction is None else achieved_fraction
+    ridge_scale = CALIBRATION.ridge_scale if ridge_scale is None else ridge_scale
+    comm_efficiency = CALIBRATION.comm_efficiency if comm_efficiency is None else comm_efficiency
+    attention_fraction = CALIBRATION.attention_fraction if attention_fraction is None else attention_fraction
+    for name, value in (("achieved_fraction", achieved_fraction), ("comm_efficiency", comm_efficiency),
+                        ("attention_fraction", attention_fraction)):
+        if not 0 < value <= 1:
+            raise ValueError(f"plan: `{name}={value}` must be in (0, 1], e.g. 0.5.")
+    if not ridge_scale >= 0:
+        raise ValueError(f"plan: `ridge_scale={ridge_scale}` must be >= 0 (1: the roofline ridge as it is).")
     try:
         spec: GpuSpec | None = gpu_spec(gpu)
     except ValueError:
@@ -545,8 +666,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     world = nodes * gpus_per_node
     ctx = _Ctx(
         model=mdl, seq=seq_len, batch=global_batch, micro=micro_batch, gpn=gpus_per_node, world=world,
-        memory=mem * GiB * (1 - memory_margin), intra=(intra * 1e9, intra_latency_us * 1e-6),
-        inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, ridge=float(roofline_ridge),
+        memory=mem * GiB * (1 - memory_margin), intra=(intra * 1e9 * comm_efficiency, intra_latency_us * 1e-6),
+        inter=(inter * 1e9 * comm_efficiency, inter_latency_us * 1e-6), peak=peak, achieved=achieved,
+        ridge=float(roofline_ridge) * ridge_scale, attention_rate=attention_fraction,
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
         schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
@@ -554,16 +676,119 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         virtual_stages=tuple(virtual_stages), flash=flash_attention, sp=sequence_parallel,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
     )
-    layouts, rejected = _enumerate(ctx)
-    layouts.sort(key=_rank_key)
+    named_fields = parse_layout(layout) if layout is not None else None
+    if search:
+        layouts, rejected, removed = _enumerate(ctx)
+        layouts.sort(key=_rank_key)
+        tie_break = _break_ties(layouts)
+    elif named_fields is None:
+        raise ValueError("plan: `search=False` evaluates only a named layout; pass `layout=` too.")
+    else:
+        layouts, rejected, removed, tie_break = [], {}, {}, ""
     inputs = {"params": mdl.total_params, "layers": mdl.layers, "hidden": mdl.hidden, "heads": mdl.heads,
               "kv_heads": mdl.kv_heads, "ffn": mdl.ffn, "vocab": mdl.vocab, "seq_len": seq_len,
               "global_batch": global_batch, "micro_batch": micro_batch, "nodes": nodes,
               "gpus_per_node": gpus_per_node, "world_size": world, "gpu": spec.name if spec else gpu,
               "memory_gb": mem, "memory_margin": memory_margin, "intra_bw_gbs": intra, "inter_bw_gbs": inter,
               "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
-              "optimizer_bytes": optimizer_bytes}
-    return Plan(layouts, rejected, inputs)
+              "ridge_scale": ridge_scale, "comm_efficiency": comm_efficiency,
+              "attention_fraction": attention_fraction, "optimizer_bytes": optimizer_bytes,
+              "sequence_parallel": sequence_parallel, "ffn_derived": mdl.ffn_derived}
+    result = Plan(layouts, rejected, inputs, removed, tie_break=tie_break)
+    if named_fields is not None:
+        result.named = _evaluate_named(ctx, named_fields, result)
+    return result
+
+
+LAYOUT_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero", "schedule", "v", "m", "ac")
+"""The keys of a named layout (:func:`parse_layout`); the degrees default to 1, the rest to the best choice."""
+_LAYOUT_ALIASES = {"zero_stage": "zero", "virtual_stages": "v", "microbatches": "m", "activation_checkpointing": "ac"}
+
+
+def parse_layout(layout: str | Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a named layout, from ``"dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8,zero=1,schedule=1f1b"``
+    (``meshkit plan --layout``; :meth:`Layout.spec` writes one) or a dict with the same keys. Degrees not named
+    are 1; ``zero``, ``schedule``, ``v`` (stages per rank), ``m`` (micro-batches per step) and ``ac`` not named
+    are left to the planner (the best variant).
+
+    Example::
+
+        >>> parse_layout("pp=8,tp=8,schedule=1f1b,m=256")
+        {'dp_replicate': 1, 'dp_shard': 1, 'pp': 8, 'cp': 1, 'tp': 8, 'schedule': '1f1b', 'm': 256}
+    """
+    if isinstance(layout, str):
+        items = []
+        for part in filter(None, (p.strip() for p in layout.split(","))):
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise ValueError(f"plan: `layout={layout!r}`: {part!r} is not key=value. "
+                                 f"Write e.g. 'dp_shard=8,pp=8,tp=8' with keys from {LAYOUT_FIELDS}.")
+            items.append((key.strip(), value.strip()))
+    else:
+        items = list(dict(layout).items())
+    out: dict[str, Any] = dict.fromkeys(LAYOUT_FIELDS[:5], 1)
+    for key, value in items:
+        key = _LAYOUT_ALIASES.get(key, key)
+        if key not in LAYOUT_FIELDS:
+            raise ValueError(f"plan: `layout` key {key!r} is unknown; use {LAYOUT_FIELDS}.")
+        if key == "schedule":
+            if value not in SCHEDULES + ("none",):
+                raise ValueError(f"plan: `layout` has `schedule={value!r}`; use one of {SCHEDULES} or 'none'.")
+        elif key == "ac":
+            if value not in CHECKPOINTING:
+                raise ValueError(f"plan: `layout` has `ac={value!r}`; use one of {CHECKPOINTING}.")
+        else:
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                value = None
+            low = 0 if key == "zero" else 1
+            if value is None or value < low or (key == "zero" and value > 3):
+                raise ValueError(f"plan: `layout` has `{key}={dict(items)[key] if key in dict(items) else value!r}`; "
+                                 f"it must be an int{' in 0..3' if key == 'zero' else ' >= 1'}.")
+        out[key] = value
+    return out
+
+
+def _evaluate_named(ctx: _Ctx, fields: dict[str, Any], result: Plan) -> Layout:
+    """Exactly the named layout, evaluated with the plan's terms, with its rank among all layouts and vs_best."""
+    r, d, p, c, t = (fields[k] for k in LAYOUT_FIELDS[:5])
+    spelled = ",".join(f"{k}={v}" for k, v in fields.items())
+    if r * d * p * c * t != ctx.world:
+        raise ValueError(f"plan: `layout={spelled!r}` has {r}·{d}·{p}·{c}·{t} = {r * d * p * c * t} GPUs, "
+                         f"the cluster {ctx.world}. Make dp_replicate·dp_shard·pp·cp·tp equal {ctx.world}.")
+    overrides: dict[str, Any] = {"max_pp": ctx.world, "max_cp": ctx.world, "max_tp": ctx.world}
+    if "m" in fields:  # m micro-batches per data-parallel rank set the micro-batch size
+        micro, rest = divmod(ctx.batch, fields["m"] * r * d)
+        if rest or micro < 1:
+            raise ValueError(f"plan: `layout={spelled!r}`: global_batch={ctx.batch} is not m·dp = "
+                             f"{fields['m']}·{r * d} whole micro-batches. Choose m dividing {ctx.batch // (r * d)}.")
+        overrides["micro"] = micro
+    shard = d * c
+    if "zero" in fields:
+        overrides["zero_stages"] = (fields["zero"] if shard > 1 else 0,)  # ZeRO over one rank is DDP
+    if "schedule" in fields and p > 1:
+        overrides["schedules"] = (fields["schedule"],)
+    if "v" in fields:
+        overrides["virtual_stages"] = (fields["v"],)
+    if "ac" in fields:
+        overrides["checkpointing"] = (fields["ac"],)
+    sub = dataclasses.replace(ctx, _times={}, **overrides)
+    rule = _structural_rule(sub, r, d, p, c, t)
+    if rule is not None:
+        raise ValueError(f"plan: `layout={spelled!r}` cannot run: {rule}.")
+    variants = [lay for lay in _layouts_for(sub, r, d, p, c, t)
+                if "v" not in fields or lay.virtual_stages == fields["v"] or p == 1]
+    if not variants:
+        raise ValueError(f"plan: `layout={spelled!r}` has no runnable variant (the interleaved schedule needs "
+                         f"layers ≥ pp·v and m a multiple of pp). Change v, m or the schedule.")
+    named = min(variants, key=_rank_key)
+    if result.layouts:  # ranked against a search
+        key = _rank_key(named)
+        named.rank = 1 + sum(1 for lay in result.layouts if _rank_key(lay) < key)
+        best = result.best
+        named.vs_best = named.step_time_s / best.step_time_s if best is not None else None
+    return named
 
 
 def _host_memory_gb() -> float:
