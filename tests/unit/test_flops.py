@@ -177,7 +177,7 @@ class _Checkpointed(torch.nn.Module):
 
         m = self.inner
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        from meshkit.models.llama import rope_cos_sin
+        from meshkit.kernels import rope_cos_sin
 
         cos, sin = rope_cos_sin(pos, m.config.head_dim, m.config.rope_theta)
         h = m.tok_embeddings(tokens)

@@ -31,104 +31,16 @@ Example::
     (True, True)
 """
 
-from meshkit.plugins.planner.cli import configure_parser, run_cli
-from meshkit.plugins.planner.costs import (
-    CALIBRATION,
-    DEFAULT_RIDGE,
-    GPU_TABLE,
-    SCHEDULES,
-    Calibration,
-    GpuSpec,
-    attention_efficiency,
-    bubble_fraction,
-    cp_bytes_per_layer,
-    dp_bytes_per_step,
-    dp_overlap_tokens,
-    gpu_spec,
-    inflight_microbatches,
-    matmul_efficiency,
-    pp_bytes_per_boundary,
-    pp_comm_ratio,
-    ring_allgather_bytes,
-    ring_allreduce_bytes,
-    ring_time,
-    roofline_efficiency,
-    tp_bytes_per_layer,
-    tp_comm_ratio,
-)
-from meshkit.plugins.planner.explain import compare, explain, format_table, header
-from meshkit.plugins.planner.model import (
-    CHECKPOINTING,
-    FFN_MULTIPLE,
-    ModelSpec,
-    activation_bytes_per_layer,
-    model_state_bytes,
-    round_ffn,
-    training_flops_per_token,
-    zero3_buffer_bytes,
-)
-from meshkit.plugins.planner.search import (
-    CPU_NOMINAL_TFLOPS,
-    ERROR_BAND,
-    LAYOUT_FIELDS,
-    LOSSES,
-    Layout,
-    Plan,
-    auto_nd_dims,
-    parse_layout,
-    plan,
-    plan_for_world,
-)
+# The public names are each layer's own __all__ (one list per name, in the module that defines it).
+from meshkit.plugins.planner import cli as _cli
+from meshkit.plugins.planner import costs as _costs
+from meshkit.plugins.planner import explain as _explain
+from meshkit.plugins.planner import model as _model
+from meshkit.plugins.planner import search as _search
+from meshkit.plugins.planner.cli import *  # noqa: F401,F403
+from meshkit.plugins.planner.costs import *  # noqa: F401,F403
+from meshkit.plugins.planner.explain import *  # noqa: F401,F403
+from meshkit.plugins.planner.model import *  # noqa: F401,F403
+from meshkit.plugins.planner.search import *  # noqa: F401,F403
 
-__all__ = [
-    # inputs
-    "ModelSpec",
-    "FFN_MULTIPLE",
-    "round_ffn",
-    "GpuSpec",
-    "GPU_TABLE",
-    "gpu_spec",
-    "SCHEDULES",
-    "CHECKPOINTING",
-    # formulas
-    "model_state_bytes",
-    "zero3_buffer_bytes",
-    "activation_bytes_per_layer",
-    "inflight_microbatches",
-    "bubble_fraction",
-    "ring_allreduce_bytes",
-    "ring_allgather_bytes",
-    "tp_bytes_per_layer",
-    "pp_bytes_per_boundary",
-    "tp_comm_ratio",
-    "pp_comm_ratio",
-    "cp_bytes_per_layer",
-    "dp_bytes_per_step",
-    "ring_time",
-    "dp_overlap_tokens",
-    "training_flops_per_token",
-    "roofline_efficiency",
-    "matmul_efficiency",
-    "attention_efficiency",
-    "DEFAULT_RIDGE",
-    "Calibration",
-    "CALIBRATION",
-    # results
-    "LOSSES",
-    "Layout",
-    "Plan",
-    "plan",
-    "plan_for_world",
-    "auto_nd_dims",
-    "CPU_NOMINAL_TFLOPS",
-    "ERROR_BAND",
-    "LAYOUT_FIELDS",
-    "parse_layout",
-    "explain",
-    "format_table",
-    "header",
-    "compare",
-    # CLI
-    "configure_parser",
-    "run_cli",
-]
+__all__ = [*_model.__all__, *_costs.__all__, *_search.__all__, *_explain.__all__, *_cli.__all__]

@@ -15,6 +15,7 @@ from meshkit.plugins.planner.costs import CALIBRATION, GPU_TABLE, SCHEDULES
 from meshkit.plugins.planner.explain import compare, header
 from meshkit.plugins.planner.model import CHECKPOINTING, ModelSpec
 from meshkit.plugins.planner.search import plan
+from meshkit.schedules import canonical_schedule
 
 __all__ = ["configure_parser", "run_cli"]
 
@@ -58,7 +59,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
-    g.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default: try all)")
+    g.add_argument("--schedule", type=canonical_schedule, default=None,
+                   help=f"pipeline schedule, one of {', '.join(SCHEDULES)} or an alias (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
 from meshkit.plugins.planner.model import ModelSpec
+from meshkit.schedules import canonical_schedule, default_virtual_stages, theoretical_bubble
 
 __all__ = [
     "GpuSpec",
@@ -43,7 +44,9 @@ __all__ = [
     "attention_efficiency",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""The schedules the planner models (:mod:`meshkit.schedules` names; interleaved_zero_bubble at one
+stage per rank is ZB-H1). Aliases such as "interleaved" and "zero_bubble" are accepted."""
 
 
 @dataclass(frozen=True)
@@ -140,33 +143,29 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     """
     if pp == 1 or schedule == "none":
         return 1
-    if schedule == "gpipe":
+    name = canonical_schedule(schedule)
+    if name == "gpipe":
         return microbatches
-    if schedule in ("1f1b", "zero_bubble"):
+    if name in ("1f1b", "interleaved_zero_bubble"):
         return min(pp, microbatches)
-    if schedule == "interleaved":
+    if name == "interleaved_1f1b":
         return pp * (1 + (pp - 1) / (pp * virtual_stages))
-    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` must be one of {SCHEDULES}.")
+    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
-    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)).
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> float:
+    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
+    :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.
 
-    In units of one micro-batch's forward+backward on one stage, the work is m and the bubble is:
-    GPipe and 1F1B p − 1 (Huang et al. 2019; Narayanan et al. 2021 §2.2); interleaved 1F1B (p − 1)/v
-    (Narayanan et al. 2021 §2.2.2); zero bubble ZB-H1 (p − 1)(T_F + T_B − T_W) = (p − 1)/3 with
-    T_F = T_B = T_W (Qi et al. 2023 §3).
+    ``virtual_stages`` None: 2 for interleaved 1F1B, 1 for the single-stage schedules and ZB-H1 ("zero_bubble").
 
     >>> bubble_fraction("1f1b", 4, 12)   # 3 / (12 + 3)
     0.2
     """
     if pp == 1 or schedule == "none":
         return 0.0
-    idle = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved": (pp - 1) / virtual_stages,
-            "zero_bubble": (pp - 1) / 3}.get(schedule)
-    if idle is None:
-        raise ValueError(f"bubble_fraction: `schedule={schedule!r}` must be one of {SCHEDULES}.")
-    return idle / (microbatches + idle)
+    v = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+    return theoretical_bubble(schedule, pp, microbatches, v)
 
 
 def ring_allreduce_bytes(size_bytes: float, n: int) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from meshkit.modelspec import read_shape
+from meshkit.schedules import canonical_schedule
 from meshkit.plugins.planner.costs import (
     CALIBRATION,
     DEFAULT_RIDGE,
@@ -169,7 +170,7 @@ class Layout:
                 f"ac={self.activation_checkpointing}")
 
     def describe(self) -> str:
-        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
+        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved_1f1b(v=4) m=16 ac=full``."""
         axes = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
         parts = [f"{a}={getattr(self, a)}" for a in axes if getattr(self, a) > 1]
         parts.append(f"zero{self.zero_stage}")
@@ -395,9 +396,9 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
 
     runs: list[tuple[str, int]] = [("none", 1)]
     if p > 1:  # interleaved needs v·p chunks of ≥ 1 layer and m a multiple of p (Megatron-LM's rule)
-        runs = [(s, 1) for s in ctx.schedules if s != "interleaved"] + [
-            ("interleaved", v) for v in ctx.virtual_stages
-            if "interleaved" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
+        runs = [(s, 1) for s in ctx.schedules if s != "interleaved_1f1b"] + [
+            ("interleaved_1f1b", v) for v in ctx.virtual_stages
+            if "interleaved_1f1b" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
 
     out: list[Layout] = []
@@ -559,6 +560,13 @@ class Plan:
 
 
 
+def _canonical_schedules(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+    return tuple(canonical_schedule(v) for v in values)
+
+
 def _as_tuple(value: Any, allowed: Sequence[Any], name: str, auto: tuple) -> tuple:
     if value is None or value == "auto":
         return auto
@@ -671,7 +679,7 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         ridge=float(roofline_ridge) * ridge_scale, attention_rate=attention_fraction,
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
-        schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
+        schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
         virtual_stages=tuple(virtual_stages), flash=flash_attention, sp=sequence_parallel,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
@@ -732,8 +740,9 @@ def parse_layout(layout: str | Mapping[str, Any]) -> dict[str, Any]:
         if key not in LAYOUT_FIELDS:
             raise ValueError(f"plan: `layout` key {key!r} is unknown; use {LAYOUT_FIELDS}.")
         if key == "schedule":
+            value = value if value == "none" else canonical_schedule(value, "layout: schedule")
             if value not in SCHEDULES + ("none",):
-                raise ValueError(f"plan: `layout` has `schedule={value!r}`; use one of {SCHEDULES} or 'none'.")
+                raise ValueError(f"plan: `layout` has `schedule={value!r}`; the planner models {SCHEDULES}.")
         elif key == "ac":
             if value not in CHECKPOINTING:
                 raise ValueError(f"plan: `layout` has `ac={value!r}`; use one of {CHECKPOINTING}.")
