@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
@@ -131,6 +132,7 @@ def _peak_flops(spec: GpuSpec | None, device: str, dtype: str) -> float:
 
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a search asks the same few thousand times
 def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
     """Micro-batches whose activations the busiest (first) stage holds at once, in units of one stage's layers.
 
@@ -153,6 +155,7 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 
+@functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> float:
     """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
     :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.

@@ -503,7 +503,7 @@ def _break_ties(layouts: list[Layout]) -> str:
         why.append(f"memory headroom ({choice.memory_gb:.1f} vs {fastest.memory_gb:.1f} of "
                    f"{fastest.memory_limit_gb:.1f} GB)")
     if choice.cross_node_axes < fastest.cross_node_axes:
-        why.append(f"fewer cross-node collectives ({choice.cross_node_axes} axes vs {fastest.cross_node_axes})")
+        why.append(f"fewer axes with cross-node collectives ({choice.cross_node_axes} vs {fastest.cross_node_axes})")
     return (f"tie rule: {len(band)} layouts are within the model's {ERROR_BAND:.0%} error band of the fastest "
             f"({fastest.describe()}, {fastest.step_time_s:.3g} s/step); the first one has "
             f"{' and '.join(why) or 'the same headroom and links'} at {choice.step_time_s / fastest.step_time_s:.3f}× "
