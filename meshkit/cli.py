@@ -26,7 +26,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("meshkit.demo", "train a small Llama on CPU gloo processes with strategy='hsdp_tp'"),
     "consolidate": ("meshkit.plugins.checkpointing", "turn a sharded (DCP) checkpoint into one state-dict file"),
     "plan": (
-        "meshkit.plugins.planner",
+        "meshkit.plugins.planner.cli",
         "rank every dp/pp/cp/tp layout of a model on a cluster: memory, comm, bubble, predicted MFU",
     ),
     "analyze": (

@@ -1,0 +1,171 @@
+"""Published training runs the planner is calibrated against, and the fit of its free constants.
+
+Each :class:`PublishedRun` is a configuration someone trained and measured: the model, the cluster, the
+layout they chose and the MFU they reported. :func:`evaluate_run` asks the planner for exactly that layout
+(``plan(..., layout=...)``) and, with ``rank=True``, how it ranks among every layout of the same cluster
+(``vs_best``). :func:`fit` grid-searches the three constants of :class:`~meshkit.plugins.planner.Calibration`
+on the rows marked ``fit=True``; the other rows are held out and only checked.
+
+MFU is counted the planner's way for every row (PaLM's 6N + 12·L·h·s FLOPs per token over the dense bf16
+peak, 989.4 TFLOP/s on H100 SXM), so a row published as tokens per second is converted with the same
+formula the prediction uses.
+
+Example::
+
+    >>> from meshkit.plugins.planner.calibration import PUBLISHED, evaluate_run
+    >>> row = next(r for r in PUBLISHED if r.name == "megatron-7.1b")
+    >>> abs(evaluate_run(row).predicted_mfu - row.mfu) < 0.05
+    True
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from meshkit.plugins.planner.costs import CALIBRATION, Calibration
+from meshkit.plugins.planner.model import ModelSpec, training_flops_per_token
+from meshkit.plugins.planner.search import Layout, plan
+
+__all__ = ["PublishedRun", "PUBLISHED", "KNOWN_MISSES", "H100_PEAK_TFLOPS", "evaluate_run", "default_grid", "fit", "calibration_table"]
+
+H100_PEAK_TFLOPS = 989.4
+"""Dense bf16 peak of the H100 SXM (NVIDIA H100 datasheet), the denominator of every row's MFU."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published configuration: model, cluster, the layout it trained with and its MFU."""
+
+    name: str
+    source: str
+    model: ModelSpec
+    seq_len: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    nodes: int
+    layout: str
+    """The published layout as ``plan(layout=)`` takes it; fields it leaves out are the planner's choice."""
+    mfu: float | None
+    """Published MFU (share of the dense peak), or None where only the layout is published."""
+    fit: bool
+    """True: used to fit the constants; False: held out (checked only)."""
+    micro_batch: int = 1
+    gpus_per_node: int = 8
+    note: str = ""
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int = 131072) -> ModelSpec:
+    # Megatron-LM's GPT models: a 4h GELU MLP (8h² weights; as SwiGLU 3·h·f with f = 8h/3, derived from the count
+    # and rounded like a real width, the counts then scaled back to it), full multi-head attention, untied output.
+    params = layers * (12 * hidden * hidden + 13 * hidden) + 2 * vocab * hidden
+    return ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=vocab, params=float(params))
+
+
+def _megatron(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int,
+              mfu: float, fit: bool) -> PublishedRun:
+    dp = gpus // (tp * pp)
+    return PublishedRun(
+        name=f"megatron-{size}", source="Megatron-LM README, weak scaling on H100 (seq 4096, vocab 131072)",
+        model=_gpt(layers, hidden, heads), seq_len=4096, global_batch=batch, nodes=gpus // 8,
+        layout=f"dp_replicate=1,dp_shard={dp},pp={pp},cp=1,tp={tp},zero=1", mfu=mfu, fit=fit,
+        note="distributed optimizer (ZeRO-1), sequence parallel, micro-batch 1")
+
+
+LLAMA31_8B = ModelSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+LLAMA3_70B = ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA3_405B = ModelSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+
+
+def _tokens_mfu(model: ModelSpec, seq: int, tokens_per_s_per_gpu: float) -> float:
+    flops = training_flops_per_token(model.matmul_params, model.layers, model.hidden, seq)
+    return tokens_per_s_per_gpu * flops / (H100_PEAK_TFLOPS * 1e12)
+
+
+_TORCHTITAN = "torchtitan benchmarks/ (Llama 3.1 8B, bf16, FSDP, H100, local batch 2, seq 8192, selective AC)"
+
+PUBLISHED: tuple[PublishedRun, ...] = (
+    _megatron("1.7b", 16, 2048, 24, 1, 1, 48, 192, 0.41, fit=True),
+    _megatron("7.1b", 32, 4096, 30, 2, 1, 96, 192, 0.47, fit=False),
+    _megatron("16b", 48, 6144, 32, 4, 1, 192, 192, 0.49, fit=True),
+    _megatron("32b", 56, 7168, 48, 8, 1, 384, 192, 0.46, fit=False),
+    _megatron("70b", 64, 8192, 84, 8, 2, 768, 384, 0.42, fit=True),
+    _megatron("119b", 80, 10240, 92, 8, 4, 1536, 768, 0.43, fit=False),
+    _megatron("177b", 96, 12288, 96, 8, 6, 2304, 1152, 0.44, fit=True),
+    _megatron("314b", 128, 16384, 96, 8, 8, 3072, 1536, 0.48, fit=False),
+    _megatron("462b", 144, 18432, 112, 8, 16, 6144, 3072, 0.47, fit=True),
+    PublishedRun("torchtitan-8b-8gpu", _TORCHTITAN + ": 5,762 tokens/s/GPU", LLAMA31_8B, 8192, 16, 1,
+                 "dp_shard=8,zero=3,ac=selective", _tokens_mfu(LLAMA31_8B, 8192, 5762), fit=True, micro_batch=2,
+                 note="MFU from 5,762 tokens/s/GPU with the planner's FLOP count (torchtitan reports 33-39 %)"),
+    PublishedRun("torchtitan-8b-128gpu", _TORCHTITAN + ": 5,605 tokens/s/GPU", LLAMA31_8B, 8192, 256, 16,
+                 "dp_shard=128,zero=3,ac=selective", _tokens_mfu(LLAMA31_8B, 8192, 5605), fit=False, micro_batch=2,
+                 note="MFU from 5,605 tokens/s/GPU with the planner's FLOP count"),
+    PublishedRun("llama3-405b-16k", "Llama 3 paper (Dubey et al. 2024), Table 4: 16,384 H100, 400 TFLOP/s/GPU",
+                 LLAMA3_405B, 8192, 2048, 2048, "dp_shard=128,pp=16,cp=1,tp=8", 0.41, fit=False,
+                 note="16M tokens a step = 2048 sequences of 8192; ZeRO stage, schedule and AC left to the planner"),
+    PublishedRun("seed-70b-64gpu", "seed 002, worked example (c): 70B on 64 H100, TP8 x PP8, 1F1B",
+                 LLAMA3_70B, 4096, 256, 8, "dp_shard=1,pp=8,cp=1,tp=8,schedule=1f1b", None, fit=False,
+                 note="no MFU published: checks the layout's vs_best only"),
+)
+"""The calibration table (docs/planner.md lists it with the fitted constants)."""
+
+KNOWN_MISSES: dict[str, str] = {
+    "megatron-32b": "predicted 5.2 points low: tp=8 at h=7168 leaves the TP all-reduces exposed in the planner, "
+                    "while Megatron-LM overlaps them with the GEMMs (TP communication overlap)",
+    "llama3-405b-16k": "predicted 12 points low: the planner's memory model fits this layout only with full "
+                       "recompute, and interleaved 1F1B at v <= 4 with m=16 on pp=16 leaves a 17 % bubble; Llama 3 "
+                       "balanced uneven stages and tuned its schedule, which the planner does not model",
+}
+"""Held-out rows outside ±5 MFU points, and why (the test asserts this list is exact)."""
+
+
+def evaluate_run(row: PublishedRun, constants: Calibration = CALIBRATION, *, rank: bool = False) -> Layout:
+    """The planner's prediction for ``row``'s own layout (with ``rank=True`` also its rank and ``vs_best``
+    among every layout of the cluster; that enumerates them all, up to ~0.5 s at 16,384 GPUs)."""
+    result = plan(row.model, seq_len=row.seq_len, global_batch=row.global_batch, micro_batch=row.micro_batch,
+                  nodes=row.nodes, gpus_per_node=row.gpus_per_node, gpu="h100-sxm", peak_tflops=H100_PEAK_TFLOPS,
+                  achieved_fraction=constants.achieved_fraction, ridge_scale=constants.ridge_scale,
+                  comm_efficiency=constants.comm_efficiency, attention_fraction=constants.attention_fraction,
+                  layout=row.layout, search=rank)
+    return result.named
+
+
+def default_grid() -> list[Calibration]:
+    """The grid :func:`fit` searches: achieved fraction 0.55-0.70 (step 0.01), ridge scale 0.1-1, attention
+    fraction 0.2-0.4, comm efficiency 0.8-1. The ridge scale starts at 0.1, not 0: 0 switches the kernel-shape
+    model off, and the fit rows cannot tell 0 from 0.1 (squared error 0.00186 vs 0.00202)."""
+    fractions = [f / 100 for f in range(55, 71)]
+    scales = (0.1, 0.2, 0.3, 0.5, 1.0)
+    attention = (0.2, 0.25, 0.3, 0.35, 0.4)
+    comms = (0.8, 0.9, 1.0)
+    return [Calibration(achieved_fraction=a, ridge_scale=r, comm_efficiency=c, attention_fraction=f)
+            for a, r, c, f in itertools.product(fractions, scales, comms, attention)]
+
+
+def fit(rows: Sequence[PublishedRun] = PUBLISHED, grid: Iterable[Calibration] | None = None) -> Calibration:
+    """The constants (from ``grid``, default :func:`default_grid`) that minimise the squared MFU error over the
+    rows marked ``fit=True`` (about a minute for the default grid)."""
+    train = [r for r in rows if r.fit and r.mfu is not None]
+    best, best_err = None, float("inf")
+    for constants in grid if grid is not None else default_grid():
+        err = sum((evaluate_run(r, constants).predicted_mfu - r.mfu) ** 2 for r in train)
+        if err < best_err:
+            best, best_err = constants, err
+    if best is None:
+        raise ValueError("fit: the grid is empty; pass at least one Calibration.")
+    return best
+
+
+def calibration_table(rows: Sequence[PublishedRun] = PUBLISHED,
+                      constants: Calibration = CALIBRATION) -> list[dict[str, Any]]:
+    """One record per row: predicted vs published MFU of the published layout, its rank and ``vs_best``."""
+    out = []
+    for row in rows:
+        lay = evaluate_run(row, constants, rank=True)
+        out.append({"name": row.name, "held_out": not row.fit, "layout": lay.describe(),
+                    "published_mfu": row.mfu, "predicted_mfu": lay.predicted_mfu,
+                    "error_points": None if row.mfu is None else 100 * (lay.predicted_mfu - row.mfu),
+                    "rank": lay.rank, "vs_best": lay.vs_best, "fits": lay.feasible,
+                    "memory_gb": lay.memory_gb, "source": row.source})
+    return out

@@ -1,0 +1,397 @@
+"""Cost terms of one layout: the GPU's links and peak, communication bytes and times per parallel axis,
+the pipeline bubble, and how fast kernels run at the shapes a layout leaves them (a soft roofline).
+
+Units: bytes, seconds, FLOP and FLOP/s, bytes/s per direction; link speeds are decimal GB/s (1e9, as
+datasheets give them). Every formula is a small public function citing its source.
+
+Example::
+
+    >>> from meshkit.plugins.planner import bubble_fraction, ring_allreduce_bytes
+    >>> bubble_fraction("1f1b", 4, 12), ring_allreduce_bytes(1000, 4)
+    (0.2, 1500.0)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
+from meshkit.plugins.planner.model import ModelSpec
+from meshkit.schedules import canonical_schedule, default_virtual_stages, theoretical_bubble
+
+__all__ = [
+    "GpuSpec",
+    "GPU_TABLE",
+    "gpu_spec",
+    "SCHEDULES",
+    "Calibration",
+    "CALIBRATION",
+    "inflight_microbatches",
+    "bubble_fraction",
+    "ring_allreduce_bytes",
+    "ring_allgather_bytes",
+    "tp_bytes_per_layer",
+    "pp_bytes_per_boundary",
+    "tp_comm_ratio",
+    "pp_comm_ratio",
+    "cp_bytes_per_layer",
+    "dp_bytes_per_step",
+    "ring_time",
+    "dp_overlap_tokens",
+    "DEFAULT_RIDGE",
+    "roofline_efficiency",
+    "matmul_efficiency",
+    "attention_efficiency",
+]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""The schedules the planner models (:mod:`meshkit.schedules` names; interleaved_zero_bubble at one
+stage per rank is ZB-H1). Aliases such as "interleaved" and "zero_bubble" are accepted."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The planner's free constants, fitted to published runs (:mod:`meshkit.plugins.planner.calibration`;
+    values, rows and sources in docs/planner.md)."""
+
+    achieved_fraction: float
+    """Share of the dense peak large bf16 matmuls sustain in training (``plan(achieved_fraction=)``)."""
+    ridge_scale: float
+    """The kernel-shape curve's ridge as a share of the roofline ridge peak / HBM bandwidth: real GEMM tiles
+    reuse operands from on-chip memory and overlap loads with math, so a dimension costs less than the additive
+    soft roofline says."""
+    comm_efficiency: float
+    """Share of the datasheet per-direction link bandwidth a ring collective achieves (NCCL bus bandwidth)."""
+    attention_fraction: float = 1.0
+    """Fused attention's (FlashAttention's) large-shape rate as a share of the matmuls' (its softmax and
+    masking run on the non-tensor-core units)."""
+
+
+CALIBRATION = Calibration(achieved_fraction=0.63, ridge_scale=0.1, comm_efficiency=1.0, attention_fraction=0.3)
+"""The constants plan() uses by default: :func:`meshkit.plugins.planner.calibration.fit` on the calibration
+table's fit rows (Megatron-LM's H100 weak-scaling 1.7B, 16B, 70B, 177B, 462B; torchtitan's Llama 3.1 8B on 8
+H100). The attention fraction also absorbs the work the FLOP count does not see (norms, RoPE, softmax,
+elementwise), which, like attention, weighs most on small hidden sizes and long sequences."""
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Memory and default per-GPU, per-direction link speeds of one accelerator model."""
+
+    name: str
+    memory_gb: float
+    """Device memory in GiB."""
+    hbm_bw_gbs: float
+    """Device-memory bandwidth (GB/s): with the dense peak it sets the roofline ridge of :func:`roofline_efficiency`."""
+    intra_bw_gbs: float
+    """Per-GPU, per-direction bandwidth to GPUs in the same node (GB/s)."""
+    inter_bw_gbs: float
+    """Per-GPU, per-direction bandwidth to other nodes (GB/s): one NIC per GPU."""
+    peak_name: str
+    """Name handed to ``meshkit.profiling.flops.peak_flops`` for the dense peak."""
+    patterns: tuple[str, ...] = ()
+    """Regexes on the upper-cased, space-separated device string (e.g. torch.cuda.get_device_name())."""
+
+
+def _gpu_spec(row: Gpu) -> GpuSpec:
+    return GpuSpec(row.key, row.memory_gb, row.hbm_bw_gbs, row.intra_bw_gbs, row.inter_bw_gbs, row.name,
+                   row.patterns)
+
+
+_PLANNER_FACTS = ("memory_gb", "hbm_bw_gbs", "intra_bw_gbs", "inter_bw_gbs")
+
+GPU_TABLE: dict[str, GpuSpec] = {row.key: _gpu_spec(row) for row in CATALOG if all(
+    getattr(row, f) is not None for f in _PLANNER_FACTS)}
+"""The rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that know memory and links, by key."""
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """Look up a GPU by table key (``"h100-sxm"``) or by a device string (``"NVIDIA H100 80GB HBM3"``),
+    with the catalog's matcher (:func:`meshkit.hardware.find_gpu`; rows added by ``register_gpu`` included).
+
+    Example::
+
+        >>> gpu_spec("NVIDIA H100 80GB HBM3").name, gpu_spec("h200").memory_gb
+        ('h100-sxm', 141)
+    """
+    row = find_gpu(str(name), has=_PLANNER_FACTS)
+    if row is None:
+        raise ValueError(
+            f"gpu_spec: `gpu={name!r}` is not in the planner's GPU table ({', '.join(GPU_TABLE)}). "
+            "Use one of those names, or pass memory_gb=, intra_bw_gbs=, inter_bw_gbs= and peak_tflops= explicitly."
+        )
+    return _gpu_spec(row)
+
+
+def _peak_flops(spec: GpuSpec | None, device: str, dtype: str) -> float:
+    """Dense peak FLOP/s from profiling's peak table (a measured one for CPU)."""
+    from meshkit.profiling.flops import peak_flops  # plugins may import profiling, never the reverse
+
+    return float(peak_flops(spec.peak_name if spec is not None else device, dtype))
+
+
+
+@functools.lru_cache(maxsize=4096)  # pure; a search asks the same few thousand times
+def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
+    """Micro-batches whose activations the busiest (first) stage holds at once, in units of one stage's layers.
+
+    GPipe (Huang et al. 2019): all m. 1F1B (Narayanan et al. 2021 §2.2): p − s on stage s, so p on the first.
+    Interleaved 1F1B with v chunks per stage: p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3).
+    Zero bubble ZB-H1 (Qi et al. 2023 §3): the same peak as 1F1B. No pipeline: one micro-batch.
+
+    >>> inflight_microbatches("1f1b", 4, 16), inflight_microbatches("interleaved", 4, 16, 2)
+    (4, 5.5)
+    """
+    if pp == 1 or schedule == "none":
+        return 1
+    name = canonical_schedule(schedule)
+    if name == "gpipe":
+        return microbatches
+    if name in ("1f1b", "interleaved_zero_bubble"):
+        return min(pp, microbatches)
+    if name == "interleaved_1f1b":
+        return pp * (1 + (pp - 1) / (pp * virtual_stages))
+    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> float:
+    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
+    :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.
+
+    ``virtual_stages`` None: 2 for interleaved 1F1B, 1 for the single-stage schedules and ZB-H1 ("zero_bubble").
+
+    >>> bubble_fraction("1f1b", 4, 12)   # 3 / (12 + 3)
+    0.2
+    """
+    if pp == 1 or schedule == "none":
+        return 0.0
+    v = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+    return theoretical_bubble(schedule, pp, microbatches, v)
+
+
+def ring_allreduce_bytes(size_bytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``size_bytes``: 2(N−1)/N·S
+    (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" uses the same factor).
+
+    >>> ring_allreduce_bytes(1000, 4)
+    1500.0
+    """
+    return 2 * (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+def ring_allgather_bytes(size_bytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-gather (or reduce-scatter) whose full result is ``size_bytes``:
+    (N−1)/N·S (Thakur, Rabenseifner & Gropp 2005, ring algorithm).
+
+    >>> ring_allgather_bytes(1000, 4)
+    750.0
+    """
+    return (n - 1) / n * size_bytes if n > 1 else 0.0
+
+
+def tp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int, *, act_bytes: float = 2.0,
+                       recompute: bool = False) -> float:
+    """Bytes each TP rank sends per transformer layer per micro-batch.
+
+    Megatron-LM (Shoeybi et al. 2019 §3, Fig. 4): two all-reduces of the s·b·h activation in forward
+    (after attention and after the MLP) and two in backward; sequence parallelism (Korthikanti et al. 2022
+    §4.2.2) swaps each for an all-gather + reduce-scatter, the same bytes. Full recomputation repeats
+    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t). Over a step of 12h²-parameter
+    blocks that is a comm/compute ratio of 2(t−1)·F/(9·h·W); :func:`tp_comm_ratio` publishes the forward
+    pass's (t−1)·F/(3·h·W), 1.5× that.
+
+    >>> tp_bytes_per_layer(1024, 1, 4096, 8) / 2**20   # 4 · 2·7/8 · 8 MiB
+    56.0
+    """
+    collectives = 6 if recompute else 4
+    return collectives * ring_allreduce_bytes(float(seq) * micro_batch * hidden * act_bytes, tp)
+
+
+def pp_bytes_per_boundary(seq: int, micro_batch: int, hidden: int, tp: int = 1, *, act_bytes: float = 2.0) -> float:
+    """Bytes one pipeline stage sends across one stage boundary per micro-batch: its output activation
+    forward and the input gradient backward, s·b·h·act_bytes each, split over the t TP ranks
+    (Narayanan et al. 2021 §4.1, scatter/gather optimization; sequence parallelism shards it the same way).
+
+    Over a whole step this is 4h/t bytes per token per boundary against 72h²·(L/p)/t FLOP per token on a
+    stage of 12h²-parameter layers, a ratio of p·F/(18·h·L·W); :func:`pp_comm_ratio` publishes the
+    forward pass's p·F/(12·h·L·W), 1.5× that.
+
+    >>> pp_bytes_per_boundary(4096, 1, 8192, 8) / 2**20   # 2 · 64 MiB / 8
+    16.0
+    """
+    return 2 * float(seq) * micro_batch * hidden * act_bytes / tp
+
+
+def tp_comm_ratio(tp: int, hidden: int, achieved_flops: float, bandwidth: float) -> float:
+    """TP communication time over compute time, (t−1)·F/(3·h·W) (the issue's convention; 0 without TP).
+
+    This is the forward pass of a block of 12h² parameters: per token each TP rank does 2·12h²/t = 24h²/t
+    FLOP and sends two all-reduces (or all-gather + reduce-scatter pairs) of its 2h-byte bf16 activation,
+    2 · 2(t−1)/t · 2h = 8h(t−1)/t bytes: (8h(t−1)/t)/W ÷ (24h²/t)/F = (t−1)·F/(3·h·W). Backward moves
+    the same 8h(t−1)/t bytes against twice the FLOPs (48h²/t), so over the whole step the ratio
+    :func:`tp_bytes_per_layer` implies is 16h(t−1)/t ÷ 72h²/t = 2(t−1)·F/(9·h·W), 2/3 of this one: that
+    1.5× is the only difference (same bf16 activations, same ring collectives). The same number is also
+    the whole step with full recomputation's two extra forward all-reduces (6 in all, 24h(t−1)/t bytes)
+    counted against the model's 72h²/t FLOP. The step-time model uses the byte counts, not this ratio.
+    ``achieved_flops`` is the rate the layout's matmuls run at (F × :func:`matmul_efficiency` in a plan);
+    ``bandwidth`` the TP group's link.
+
+    >>> round(tp_comm_ratio(8, 8192, 400e12, 450e9), 4)   # 7 · 400e12 / (3 · 8192 · 450e9)
+    0.2532
+    """
+    return (tp - 1) * achieved_flops / (3 * hidden * bandwidth)
+
+
+def pp_comm_ratio(pp: int, hidden: int, layers: int, achieved_flops: float, bandwidth: float,
+                  virtual_stages: int = 1) -> float:
+    """PP communication time over compute time, p·F/(12·h·L·W) (the issue's convention; 0 without PP).
+
+    The forward pass of a stage of L/p blocks of 12h² parameters: per token each rank sends its 2h/t-byte
+    share of the bf16 activation across the boundary and does 24h²·(L/p)/t FLOP:
+    (2h/t)/W ÷ (24h²L/(p·t))/F = p·F/(12·h·L·W). Backward sends the same bytes (the gradient) against
+    twice the FLOPs, so the whole-step ratio behind :func:`pp_bytes_per_boundary` is p·F/(18·h·L·W), 2/3
+    of this one (the same 1.5× as :func:`tp_comm_ratio`). With the interleaved schedule each rank holds
+    v chunks of L/(p·v) blocks and the activation crosses v boundaries per rank, so p becomes p·v
+    (Narayanan et al. 2021 §2.2.2: interleaving multiplies the communication by v).
+
+    >>> round(pp_comm_ratio(16, 16384, 126, 400e12, 50e9), 5)   # 16 · 400e12 / (12 · 16384 · 126 · 50e9)
+    0.00517
+    """
+    return pp * virtual_stages * achieved_flops / (12 * hidden * layers * bandwidth) if pp > 1 else 0.0
+
+
+def cp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, kv_heads: int, cp: int,
+                       tp: int = 1, *, act_bytes: float = 2.0) -> float:
+    """Bytes each context-parallel rank sends per layer per micro-batch with ring attention.
+
+    Ring attention (Liu et al. 2023; torch's context_parallel): each rank's K and V shard, 2·(s/c)·b·kv·d
+    elements (kv heads of head dim d = h/a, ÷ t under TP), passes c − 1 hops in forward; backward passes
+    K, V again plus dK, dV: 3·(c−1) shards per layer in all.
+
+    >>> cp_bytes_per_layer(8192, 1, 4096, 32, 8, 4, act_bytes=2) / 2**20   # 3·3·(2·2048·1024·2 B)
+    72.0
+    """
+    if cp == 1:
+        return 0.0
+    kv_shard = 2 * (seq / cp) * micro_batch * kv_heads * (hidden // heads) * act_bytes / tp
+    return 3 * (cp - 1) * kv_shard
+
+
+def dp_bytes_per_step(params: float, zero_stage: int, shard: int, replicate: int, microbatches: int,
+                      param_bytes: float = 2.0, grad_bytes: float = 2.0) -> tuple[float, float]:
+    """Data-parallel bytes each GPU sends per step: ``(over the shard group, over the replicate group)``.
+
+    ``params`` are the parameters on this GPU before data-parallel sharding (after TP and PP).
+    DDP (stage 0): one all-reduce of the gradients over the replicas.
+    ZeRO-1: reduce-scatter of the accumulated gradients once a step, all-gather of the updated weights.
+    ZeRO-2: the gradient reduce-scatter runs every micro-batch (only a shard of the gradient is kept).
+    ZeRO-3 / FSDP: all-gather of the weights in forward and again in backward, every micro-batch,
+    plus the per-micro-batch reduce-scatter: 3·(N−1)/N·Ψ each, 1.5× DDP (Rajbhandari et al. 2020 §7).
+    HSDP: the reduce-scattered shard is then all-reduced over the ``replicate`` group.
+
+    >>> dp_bytes_per_step(1e9, 3, 8, 1, 1)   # 3 · 7/8 · 2 GB
+    (5250000000.0, 0.0)
+    """
+    grads, weights = params * grad_bytes, params * param_bytes
+    if zero_stage == 0:
+        return 0.0, ring_allreduce_bytes(grads, replicate)
+    scatters = microbatches if zero_stage >= 2 else 1
+    gathers = 2 * microbatches if zero_stage == 3 else 1
+    over_shard = scatters * ring_allgather_bytes(grads, shard) + gathers * ring_allgather_bytes(weights, shard)
+    over_replicate = scatters * ring_allreduce_bytes(grads / shard, replicate)
+    return over_shard, over_replicate
+
+
+def ring_time(size_bytes: float, steps: int, bandwidth: float, latency: float) -> float:
+    """Seconds for a collective: α-β (Hockney) model, ``steps``·α + bytes/W. A ring all-reduce over N ranks
+    takes 2(N−1) steps, an all-gather or reduce-scatter N−1, a send one (NCCL's own tuning model,
+    src/graph/tuning.cc: latency = steps × per-hop latency, ~3 µs per NVLink hop, ~5 µs per network hop
+    for the Simple protocol).
+
+    >>> ring_time(1e9, 14, 100e9, 5e-6)   # 10 ms + 70 µs
+    0.01007
+    """
+    return steps * latency + size_bytes / bandwidth
+
+
+def dp_overlap_tokens(achieved_flops: float, bandwidth: float) -> float:
+    """Tokens each data-parallel rank must process per step for the gradient sync to hide behind compute.
+
+    Compute is 6·Ψ FLOP per token per GPU, the ring all-reduce moves ~2·2Ψ bytes, so compute ≥ comm when
+    tokens ≥ (2/3)·F/W; the rule of thumb (and this function) rounds it to F/W.
+
+    >>> dp_overlap_tokens(400e12, 50e9)
+    8000.0
+    """
+    return achieved_flops / bandwidth
+
+
+
+DEFAULT_RIDGE = float(round(gpu("h100-sxm").ridge("bf16"), -2))
+
+
+def roofline_efficiency(ridge: float, *dims: float) -> float:
+    """Share of its large-shape rate a kernel sustains when its operands must stream through device memory.
+
+    Soft roofline (Williams, Waterman & Patterson 2009, with compute and memory time added instead of
+    overlapped): an (m×k)·(k×n) bf16 matmul does 2mkn FLOP and moves at least 2(mk + kn + mn) bytes
+    (each operand read once, the result written once), so at peak P and memory bandwidth B it takes
+    2mkn/P · (1 + (P/B)·(1/m + 1/k + 1/n)). Its efficiency is 1 / (1 + ridge · Σ 1/dim) with
+    ridge = P/B the roofline's ridge point in FLOP/byte (295 on an H100 SXM: 989.4 TFLOP/s over 3.35 TB/s):
+    a dimension as long as the ridge halves the rate, one 10× longer costs ~9%. Because the sum is
+    symmetric, the backward matmuls (the same three dimensions, permuted) get the same efficiency. A fused
+    attention kernel (FlashAttention) of m queries against n keys moves Q, K, V and O but never the m×n
+    scores: 4mnd FLOP over 4d(m + n) bytes per head, so its dimensions are just (m, n).
+    ``ridge=0`` turns the model off (efficiency 1).
+
+    >>> round(roofline_efficiency(295, 4096, 4096, 4096), 3)   # 1 / (1 + 295 · 3/4096)
+    0.822
+    """
+    if ridge <= 0:
+        return 1.0
+    return 1.0 / (1.0 + ridge * sum(1.0 / d for d in dims))
+
+
+def matmul_efficiency(model: ModelSpec, tokens: float, tp: int, ridge: float) -> float:
+    """Efficiency (:func:`roofline_efficiency`) of one GPU's matmuls, weighted by their FLOPs.
+
+    ``tokens`` are the rows each GPU multiplies per micro-batch, b·s/cp (sequence parallelism all-gathers
+    the TP group's rows before each matmul); tensor parallelism splits the other dimension t ways. Per
+    block: wq (h × a·d/t), wk and wv (h × kv·d/t), wo (a·d/t × h), w1 and w3 (h × f/t), w2 (f/t × h);
+    plus the output projection (h × V/t). The result is their FLOP-weighted harmonic mean (total FLOPs over
+    total time), so a matmul that runs at half speed costs in proportion to its share of the work.
+
+    >>> mdl = ModelSpec(layers=1, hidden=1024, heads=8, ffn=4096, vocab=1024)
+    >>> round(matmul_efficiency(mdl, 2048, 1, 0), 3), round(matmul_efficiency(mdl, 2048, 1, 100), 3)
+    (1.0, 0.839)
+    """
+    h, d, f = model.hidden, model.head_dim, model.ffn
+    q, kv = model.heads * d / tp, model.kv_heads * d / tp
+    # (k, n, how many such matrices): per block, times layers; the output projection once
+    block = ((h, q, 1), (h, kv, 2), (q, h, 1), (h, f / tp, 2), (f / tp, h, 1))
+    shapes = [(k, n, c * model.layers) for k, n, c in block] + [(h, model.vocab / tp, 1)]
+    flops = sum(k * n * c for k, n, c in shapes)
+    time = sum(k * n * c / roofline_efficiency(ridge, tokens, k, n) for k, n, c in shapes)
+    return flops / time
+
+
+def attention_efficiency(seq: int, cp: int, ridge: float) -> float:
+    """Efficiency (:func:`roofline_efficiency`) of the fused attention kernels of one context-parallel rank.
+
+    Without CP one causal kernel pairs s queries with s keys: dimensions (s, s). Load-balanced causal ring
+    attention (each rank holds two chunks of s/(2c), one from each end, so every rank does the same work)
+    runs c kernels per layer: the local step pairs s/c queries with s/c keys, the c − 1 others s/c with
+    s/(2c) (or s/(2c) with s/c: half of each arriving block is masked away). Every step does the same
+    FLOPs (that is what the load balancing buys), so the penalty averages over the c steps:
+    ((c − 1)·3c/s + 2c/s)/c = (3c − 1)/s, and efficiency = 1 / (1 + ridge·(3c − 1)/s). The halved blocks
+    are the price of balancing the causal mask; c = 1 gives the plain kernel's 2/s.
+
+    >>> round(attention_efficiency(8192, 1, 295), 3), round(attention_efficiency(8192, 8, 295), 3)
+    (0.933, 0.547)
+    """
+    if ridge <= 0:
+        return 1.0
+    return 1.0 / (1.0 + ridge * (3 * cp - 1) / seq)
+

@@ -1,0 +1,257 @@
+"""The model side of the planner: the shape (:class:`ModelSpec`), its parameter and FLOP counts, and the
+memory its states and activations take per GPU.
+
+Units: bytes, FLOP; "GB" in the output is GiB (2**30 bytes, as torch.cuda reports memory).
+
+Example::
+
+    >>> from meshkit.plugins.planner import ModelSpec, model_state_bytes
+    >>> spec = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000)
+    >>> round(model_state_bytes(spec.total_params, 3, 8) / 2**30, 1)   # ZeRO-3 over 8 GPUs
+    12.6
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshkit.modelspec import read_shape
+
+__all__ = [
+    "GiB",
+    "CHECKPOINTING",
+    "ModelSpec",
+    "FFN_MULTIPLE",
+    "round_ffn",
+    "model_state_bytes",
+    "zero3_buffer_bytes",
+    "activation_bytes_per_layer",
+    "training_flops_per_token",
+]
+
+GiB = float(2**30)
+CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+FFN_MULTIPLE = 256
+"""SwiGLU widths are built as multiples of this (Llama's ``multiple_of=256``: 14336, 28672, 53248)."""
+
+
+def round_ffn(width: float, heads: int) -> int:
+    """A derived SwiGLU width rounded up the way real models are built: to a multiple of 256 (Llama's
+    ``FeedForward(multiple_of=256)``), or of lcm(256, heads) when heads does not divide that, so every tensor
+    parallel degree that divides the heads also divides the width (a derived width never forbids a tp).
+
+    >>> round_ffn(24413.6, 64), round_ffn(53619.2, 128), round_ffn(1000, 24)   # 70B, 405B from params; 24 heads
+    (24576, 53760, 1536)
+    """
+    multiple = FFN_MULTIPLE if FFN_MULTIPLE % heads == 0 else math.lcm(FFN_MULTIPLE, heads)
+    return multiple * max(1, math.ceil(width / multiple - 1e-9))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-style decoder the planner needs (build one from a config with :meth:`from_config`).
+
+    Example::
+
+        >>> ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256).total_params / 1e9
+        70.553706496
+    """
+
+    layers: int
+    """Transformer blocks."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Attention (query) heads a."""
+    kv_heads: int | None = None
+    """Key/value heads (GQA); None means ``heads``."""
+    ffn: int | None = None
+    """SwiGLU hidden size; None: derived from ``params`` if given (rounded up as real models are built, see
+    :data:`FFN_MULTIPLE`), else 4·h (GPT's MLP; 12·h² per layer)."""
+    vocab: int = 32000
+    """Vocabulary size."""
+    params: float | None = None
+    """Total parameters; when given, every count derived from the shape is scaled to it."""
+    tied_embeddings: bool = False
+    """Input embedding and output projection share one matrix."""
+    ffn_derived: bool = field(default=False, init=False, compare=False, repr=False)
+    """True when ``ffn`` was derived from ``params`` (and rounded) rather than given."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "vocab"):
+            _check_positive_int(f"ModelSpec: `{name}", getattr(self, name))
+        for name in ("kv_heads", "ffn"):
+            if getattr(self, name) is not None:
+                _check_positive_int(f"ModelSpec: `{name}", getattr(self, name))
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"ModelSpec: `hidden={self.hidden}` must be divisible by `heads={self.heads}` (whole heads). "
+                "Pass the model's real head count."
+            )
+        kv = self.kv_heads or self.heads
+        if self.heads % kv:
+            raise ValueError(f"ModelSpec: `heads={self.heads}` must be divisible by `kv_heads={kv}` (GQA groups).")
+        object.__setattr__(self, "kv_heads", kv)
+        if self.params is not None and not (self.params > 0):
+            raise ValueError(f"ModelSpec: `params={self.params}` must be > 0 (a count of parameters, e.g. 7e9).")
+        if self.ffn is None:
+            ffn = 4 * self.hidden
+            if self.params is not None:
+                rest = self.params - self._embedding_params() - self.layers * self._attention_params()
+                ffn = rest / (3 * self.hidden * self.layers)
+                if ffn < 1:
+                    raise ValueError(
+                        f"ModelSpec: `params={self.params:.3g}` is smaller than the embeddings and attention of "
+                        f"`layers={self.layers}`, `hidden={self.hidden}`, `vocab={self.vocab}` alone, "
+                        "so no FFN size fits. "
+                        "Check the shape or pass `ffn=`."
+                    )
+                ffn = round_ffn(ffn, self.heads)
+                object.__setattr__(self, "ffn_derived", True)
+            object.__setattr__(self, "ffn", ffn)
+
+    # ---- parameter counts (before the optional scaling to `params`) ----
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def _attention_params(self) -> int:
+        # wq (h × a·hd) + wk, wv (h × kv·hd each) + wo (a·hd × h) + two RMSNorm weights
+        hd = self.head_dim
+        return 2 * self.hidden * self.heads * hd + 2 * self.hidden * self.kv_heads * hd + 2 * self.hidden
+
+    def _embedding_params(self) -> int:
+        # tok_embeddings + output (unless tied) + final norm
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    @property
+    def _scale(self) -> float:
+        raw = self.layers * (self._attention_params() + 3 * self.hidden * self.ffn) + self._embedding_params()
+        return 1.0 if self.params is None else self.params / raw
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one transformer block: attention, SwiGLU (w1, w2, w3) and its two norms."""
+        return (self._attention_params() + 3 * self.hidden * self.ffn) * self._scale
+
+    @property
+    def vocab_params(self) -> float:
+        """Parameters of one vocabulary matrix (the embedding, or the output projection)."""
+        return self.vocab * self.hidden * self._scale
+
+    @property
+    def total_params(self) -> float:
+        return self.layers * self.layer_params + self._embedding_params() * self._scale
+
+    @property
+    def matmul_params(self) -> float:
+        """Parameters used in matmuls: all but the input embedding lookup (the output projection counts)."""
+        return self.layers * self.layer_params + self.vocab_params
+
+    @classmethod
+    def from_config(cls, config: Any, params: float | None = None) -> "ModelSpec":
+        """From anything :func:`meshkit.modelspec.read_shape` reads (a meshkit ``LlamaConfig``, a Hugging Face
+        config, torchtitan-style args, a module with ``.config`` or containing one, e.g. a LightningModule
+        around an HF model), or a ``ModelSpec`` (returned as is).
+
+        Example::
+
+            >>> from meshkit.models import LlamaConfig
+            >>> ModelSpec.from_config(LlamaConfig.tiny()).kv_heads
+            2
+        """
+        if isinstance(config, ModelSpec):
+            return config
+        try:
+            shape = read_shape(config)
+        except ValueError as exc:
+            raise ValueError(
+                f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
+                "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
+                "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
+            ) from exc
+        return cls(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
+                   ffn=shape.ffn, vocab=shape.vocab, params=params, tied_embeddings=shape.tied_embeddings)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    """``name`` is "Owner: `field" (the backquote is closed here)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}` must be a positive int.")
+
+
+def model_state_bytes(params: float, zero_stage: int, shard: int, optimizer_bytes: float = 16.0,
+                      param_bytes: float = 2.0, grad_bytes: float = 2.0) -> float:
+    """Bytes of parameters, gradients and optimizer state per GPU for ``params`` parameters on it.
+
+    ZeRO (Rajbhandari et al. 2020, §5, Fig. 1): with K = optimizer_bytes − param_bytes − grad_bytes
+    (AdamW mixed precision: 16 = 2 bf16 weights + 2 bf16 grads + 12 fp32 master, m, v) and N = ``shard``:
+    stage 0 (DDP) (2+2+K)Ψ; stage 1 (2+2)Ψ + KΨ/N; stage 2 2Ψ + (2+K)Ψ/N; stage 3 (2+2+K)Ψ/N.
+
+    >>> model_state_bytes(7.5e9, 1, 64) / 1e9   # the paper's Fig. 1 example: 31.4 GB
+    31.40625
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"model_state_bytes: `zero_stage={zero_stage}` must be 0, 1, 2 or 3.")
+    k = optimizer_bytes - param_bytes - grad_bytes
+    if zero_stage == 0:
+        return params * (param_bytes + grad_bytes + k)
+    if zero_stage == 1:
+        return params * (param_bytes + grad_bytes + k / shard)
+    if zero_stage == 2:
+        return params * (param_bytes + (grad_bytes + k) / shard)
+    return params * (param_bytes + grad_bytes + k) / shard
+
+
+def zero3_buffer_bytes(layer_params: float, param_bytes: float = 2.0, grad_bytes: float = 2.0) -> float:
+    """Working memory ZeRO-3 / FSDP adds: two layers' gathered weights (current + prefetched) and one
+    layer's unsharded gradient before its reduce-scatter (Rajbhandari et al. 2020 §5.3; FSDP2 prefetches
+    one block ahead). ``layer_params`` is one block's parameters on this GPU (after TP)."""
+    return layer_params * (2 * param_bytes + grad_bytes)
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
+                               sequence_parallel: bool = False, attention_scores: bool = True,
+                               checkpointing: str = "none", ffn: int | None = None) -> float:
+    """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
+    eq. (2)/(3) with tensor parallelism  s·b·h·(10 + 24/t + 5·a·s/(h·t));
+    eq. (4) with sequence parallelism   s·b·h/t·(34 + 5·a·s/h);
+    selective recomputation (§5) drops the 5·a·s/h attention-score term, as FlashAttention does
+    (``attention_scores=False``: it never stores the s×s scores); full recomputation keeps only the
+    layer input, 2·s·b·h (÷ t with sequence parallelism).
+    The paper's 24/t is 8 (attention) + 16 (a 4h GELU MLP's two 4h outputs); a SwiGLU MLP of width
+    ``ffn`` = f stores three f-wide outputs (w1, w3, their product), so with ``ffn`` given 24 becomes
+    8 + 6·f/h (the same 24 at Llama's f = 8h/3; 27.5 at Llama-3-405B's f = 3.25h).
+
+    >>> activation_bytes_per_layer(2048, 1, 12288, 96, 8) / 2**20   # GPT-3 175B, t=8: 23·s·b·h
+    552.0
+    """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(
+            f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
+    sbh = float(seq) * micro_batch * hidden
+    sharded = 24.0 if ffn is None else 8.0 + 6.0 * ffn / hidden
+    if checkpointing == "full":
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    scores = 5 * heads * seq / (hidden * tp) if attention_scores and checkpointing == "none" else 0.0
+    if sequence_parallel:
+        return sbh * ((10 + sharded) / tp + scores)
+    return sbh * (10 + sharded / tp + scores)
+
+
+
+def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq: int) -> float:
+    """Model FLOPs per token for forward + backward: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B;
+    N the matmul parameters, the 12·L·h·s term the attention scores and their weighted sum; no recompute).
+
+    >>> training_flops_per_token(1e9, 10, 1000, 100)
+    6012000000.0
+    """
+    return 6 * matmul_params + 12 * layers * hidden * seq
+
+
+# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: the H100 SXM's 295 (989.4 TFLOP/s over
