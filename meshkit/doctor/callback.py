@@ -107,12 +107,8 @@ class Doctor(Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._active or self._dims is None:
             return
-        from torch.distributed.fsdp import FSDPModule
-
-        model = trainer.strategy.model or pl_module
-        units = sum(isinstance(m, FSDPModule) for m in model.modules())
-        params = sum(p.numel() for p in pl_module.parameters())
-        self._add(checks.one_fsdp_unit(units, self._dims.fsdp_enabled, params))
+        self._add(checks.one_fsdp_unit(_fsdp_unit_parameters(trainer.strategy.model or pl_module),
+                                       self._dims.fsdp_enabled))
 
     # ------------------------------------------------------------------ per step
     def _probing(self) -> bool:
@@ -339,6 +335,23 @@ def previous_run(log_dir: str) -> dict[str, Any]:
             except ValueError:
                 continue
     return {}
+
+
+def _fsdp_unit_parameters(model: torch.nn.Module) -> list[int]:
+    """Each FSDP unit's own parameters (not those of units nested in it), counted unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, int] = {}
+
+    def walk(module: torch.nn.Module, owner: int | None) -> None:
+        owner = id(module) if isinstance(module, FSDPModule) else owner
+        if owner is not None:
+            units[owner] = units.get(owner, 0) + sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return list(units.values())
 
 
 def _parallel_dims(strategy: Any) -> Any:

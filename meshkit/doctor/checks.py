@@ -108,14 +108,18 @@ def preset_fallback(preset: Any, degrees: Mapping[str, int], num_nodes: int, wor
     return out
 
 
-def one_fsdp_unit(fsdp_units: int, fsdp_enabled: bool, parameters: int) -> Finding | None:
-    """FSDP on, but the whole model is one unit: one all-gather of everything, nothing to overlap."""
-    if not fsdp_enabled or fsdp_units > 1:
+def one_fsdp_unit(unit_parameters: Sequence[int], fsdp_enabled: bool, share: float = 0.5) -> Finding | None:
+    """FSDP on, but one unit holds more than ``share`` of the parameters: its all-gather is most of the
+    model at once, with nothing to overlap it (``unit_parameters``: each FSDP unit's own parameter count)."""
+    total = sum(unit_parameters)
+    if not fsdp_enabled or not unit_parameters or total == 0 or max(unit_parameters) <= share * total:
         return None
-    return Finding("one_fsdp_unit", "warning", None, {"fsdp_units": fsdp_units, "parameters": parameters},
-                   "The model has no repeated blocks meshkit can find, so FSDP gathers all of it at once and overlaps "
-                   "nothing: keep the blocks in an nn.ModuleList (model.layers) or wrap them yourself in "
-                   "configure_model with fully_shard per block.")
+    return Finding("one_fsdp_unit", "warning", None, {
+        "fsdp_units": len(unit_parameters), "largest_unit_share": round(max(unit_parameters) / total, 4),
+        "largest_unit_parameters": int(max(unit_parameters)), "parameters": int(total)},
+        "The model has no repeated blocks meshkit can find, so FSDP gathers most of it at once and overlaps "
+        "nothing: keep the blocks in an nn.ModuleList (model.layers) or wrap them yourself in "
+        "configure_model with fully_shard per block.")
 
 
 # ------------------------------------------------------------------------------ batch arithmetic

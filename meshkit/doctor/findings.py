@@ -54,7 +54,7 @@ RULES: dict[str, Rule] = {
                             _S0 + ": 'nothing errors; 76 ms per step becomes 687 ms'"),
     "preset_fallback": Rule("an axis the preset turns on (tp, cp, replicate) is > 1 after 'auto' resolution",
                             "issue 18: devices=3 with hsdp_tp silently ran tp=1"),
-    "one_fsdp_unit": Rule("FSDP wraps more than one unit (one per repeated block, then the root)",
+    "one_fsdp_unit": Rule("no FSDP unit holds more than half the parameters (one unit per repeated block, then the roots)",
                           "issue 18: a model without repeated blocks trained as one FSDP unit"),
     "few_microbatches": Rule("micro-batches m >= 4p for p pipeline stages", _S2 + ": m ≥ 4p"),
     "dp_overlap": Rule("tokens per data-parallel rank per step T >= F/W (F achieved FLOP/s, W the dp link's bytes/s)",

@@ -51,9 +51,11 @@ def test_preset_fallback_hsdp_tp_on_three_devices():
 
 
 def test_one_fsdp_unit():
-    f = one_fsdp_unit(1, True, 1234)
-    assert f.id == "one_fsdp_unit" and f.evidence == {"fsdp_units": 1, "parameters": 1234}
-    assert one_fsdp_unit(3, True, 1) is None and one_fsdp_unit(1, False, 1) is None
+    f = one_fsdp_unit([161, 20], True)  # a flat MLP of 161 parameters beside a 20-parameter root
+    assert f.id == "one_fsdp_unit"
+    assert f.evidence == {"fsdp_units": 2, "largest_unit_share": 0.8895, "largest_unit_parameters": 161,
+                          "parameters": 181}
+    assert one_fsdp_unit([10, 10, 10, 5], True) is None and one_fsdp_unit([100], False) is None
 
 
 def test_few_microbatches_m_below_4p():
