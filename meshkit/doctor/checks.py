@@ -45,7 +45,10 @@ __all__ = [
 JITTER_K = 4.0
 """A difference counts when it exceeds JITTER_K × the run's own jitter (and :data:`MIN_SHARE` of the step)."""
 MIN_SHARE = 0.10
-"""... and this share of the typical step (or stage) time: below it nothing is worth a warning."""
+"""... and this share of the typical step (or stage) time: below it nothing is reported."""
+WARN_SHARE = 0.25
+"""Above the floor, a straggler or stage imbalance costing less than this share of the step is "info" (on a
+shared or oversubscribed host, CPU contention alone makes one rank that late); more is a "warning"."""
 
 
 def noise_floor(series: Sequence[Sequence[float]], typical: float) -> float:
@@ -250,7 +253,8 @@ def straggler(waits_ms: Mapping[int, Sequence[float]], step_ms: float) -> Findin
     excess = float(med[worst]) - statistics.median(others)
     if excess <= floor:
         return None
-    return Finding("straggler", "warning", ranks[worst], {
+    severity = "warning" if excess > WARN_SHARE * step_ms else "info"
+    return Finding("straggler", severity, ranks[worst], {
         "late_ms": round(float(med[worst]), 3), "others_late_ms": round(statistics.median(others), 3),
         "noise_floor_ms": round(floor, 3), "step_ms": round(step_ms, 3), "steps": n,
         "slowdown_pct": round(100 * excess / max(step_ms - excess, 1e-9), 1)},
@@ -259,29 +263,39 @@ def straggler(waits_ms: Mapping[int, Sequence[float]], step_ms: float) -> Findin
 
 
 def pp_unbalanced(records: Sequence[TimelineRecord], skip_steps: int = 1) -> Finding | None:
-    """Stages whose compute per step differs by more than the noise floor (from the pipeline timeline)."""
+    """Stages whose compute per step exceeds the mean stage by more than the noise floor (pipeline timeline).
+
+    Each stage's time in a step is the sum of its F/B/I/W actions (over its dp replicas); stages are
+    compared step by step, as shares of that step's mean stage (a loaded host slows every stage of a
+    step alike), and the jitter is that of those per-step shares.
+    """
     steps = sorted({r.step for r in records})
     steps = steps[skip_steps:] if len(steps) > skip_steps else steps
-    per: dict[int, dict[int, float]] = {}
+    stages = sorted({r.stage for r in records})
+    if len(stages) < 2 or not steps:
+        return None
+    c = np.zeros((len(stages), len(steps)))  # (stages, steps), ms
+    si, ki = {s: i for i, s in enumerate(stages)}, {k: i for i, k in enumerate(steps)}
     for r in records:
-        if r.step in steps:
-            per.setdefault(r.stage, {}).setdefault(r.step, 0.0)
-            per[r.stage][r.step] += r.duration_ns / 1e6
-    if len(per) < 2:
-        return None
-    stage_ms = {s: statistics.median(v.values()) for s, v in sorted(per.items())}
+        if r.step in ki:
+            c[si[r.stage], ki[r.step]] += r.duration_ns / 1e6
+    rel = c / np.maximum(c.mean(axis=0, keepdims=True), 1e-9) - 1  # share above the step's mean stage
+    excess = np.median(rel, axis=1)
+    slow = int(excess.argmax())
+    stage_ms = {s: float(np.median(c[i])) for i, s in enumerate(stages)}
     mean = statistics.fmean(stage_ms.values())
-    slow = max(stage_ms, key=stage_ms.get)
-    floor = noise_floor([list(v.values()) for v in per.values()], mean)
-    if stage_ms[slow] - mean <= floor:
+    floor = noise_floor(rel.tolist(), 1.0)
+    if excess[slow] <= floor:
         return None
-    return Finding("pp_unbalanced", "warning", None, {
-        "stage_ms": {s: round(v, 3) for s, v in stage_ms.items()}, "slowest_stage": slow,
-        "imbalance_pct": round(100 * (stage_ms[slow] / mean - 1), 1),
-        "rate_lost_pct": round(100 * (1 - mean / stage_ms[slow]), 1), "noise_floor_ms": round(floor, 3),
+    severity = "warning" if excess[slow] > WARN_SHARE else "info"
+    return Finding("pp_unbalanced", severity, None, {
+        "stage_ms": {s: round(v, 3) for s, v in stage_ms.items()}, "slowest_stage": stages[slow],
+        "imbalance_pct": round(100 * (stage_ms[stages[slow]] / mean - 1), 1),
+        "rate_lost_pct": round(100 * (1 - mean / stage_ms[stages[slow]]), 1),
+        "excess_pct": round(100 * float(excess[slow]), 1), "noise_floor_pct": round(100 * floor, 1),
         "steps": len(steps)},
-        f"Move layers off stage {slow} (pp_split_points=) until every stage's forward+backward time is equal: "
-        "the slowest stage sets the pipeline's rate.")
+        f"Move layers off stage {stages[slow]} (pp_split_points=) until every stage's forward+backward time is "
+        "equal: the slowest stage sets the pipeline's rate.")
 
 
 def zero3_exposed_allgather(ranks: Mapping[int, Any], threshold: float = 0.10) -> list[Finding]:

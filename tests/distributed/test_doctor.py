@@ -132,10 +132,10 @@ def _sick(rank, world, root):
 def _pipeline(rank, world, root):
     import meshkit
 
-    # 6 layers cut after the first: stage 0 holds 1 block, stage 1 five; 2 micro-batches < 4p = 8
+    # 8 layers cut after the first: stage 0 holds 1 block, stage 1 seven; 2 micro-batches < 4p = 8
     strategy = meshkit.NDParallelStrategy("pp", pp=2, pp_microbatches=2, pp_split_points=[1],
                                           pp_timeline_dir=os.path.join(root, "pp_timeline"))
-    return _fit(_llama(n_layers=6), strategy, root, _tokens(2 * 6 * BATCH), steps=6)
+    return _fit(_llama(n_layers=8), strategy, root, _tokens(2 * 6 * BATCH), steps=6)
 
 
 # ---- tests -------------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_tp_across_simulated_nodes(runs):
 
 def test_sleeping_rank_is_a_straggler(runs):
     f = _by_id(runs["sick"])["straggler"]
-    assert f["rank"] == 3
+    assert f["rank"] == 3 and f["severity"] == "warning"
     assert f["evidence"]["late_ms"] > 150 and f["evidence"]["late_ms"] > f["evidence"]["noise_floor_ms"]
 
 
@@ -201,6 +201,7 @@ def test_unbalanced_pp_split_and_few_microbatches(runs):
     by = _by_id(runs["pp"])
     f = by["pp_unbalanced"]
     assert f["evidence"]["slowest_stage"] == 1 and f["evidence"]["imbalance_pct"] > 20
+    assert f["evidence"]["excess_pct"] > f["evidence"]["noise_floor_pct"]
     m = by["few_microbatches"]
     assert m["evidence"]["pp"] == 2 and m["evidence"]["microbatches"] == 2 and m["evidence"]["needed"] == 8
 

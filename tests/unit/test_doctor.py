@@ -116,11 +116,13 @@ def test_straggler_from_probe_waits_with_noise_floor():
     waits = {r: [50.0 + j for j in (0.1, -0.2, 0.3, 0.0, -0.1)] for r in range(3)}
     waits[3] = [0.01, 0.02, 0.0, 0.01, 0.03]
     f = straggler(waits, step_ms=100.0)
-    assert f.id == "straggler" and f.rank == 3
+    assert f.id == "straggler" and f.rank == 3 and f.severity == "warning"  # 50 ms of a 100 ms step
     assert f.evidence["late_ms"] == pytest.approx(50.0, abs=0.5) and f.evidence["noise_floor_ms"] == 10.0
     # jitter alone (a few ms, nobody consistently last) is below the floor
     noisy = {r: [5.0 * ((r + k) % 3) for k in range(6)] for r in range(4)}
     assert straggler(noisy, step_ms=100.0) is None
+    # above the floor but under 25 % of the step (what CPU contention alone does): information only
+    assert straggler(waits, step_ms=400.0).severity == "info"
 
 
 def _records(stage_ms):
@@ -141,6 +143,7 @@ def test_pp_unbalanced_from_the_timeline():
     assert f.id == "pp_unbalanced" and f.evidence["slowest_stage"] == 1
     # stage 1 is 1.5x the mean of (10, 30): imbalance 50 %, the pipeline runs at 20/30 of its rate
     assert f.evidence["imbalance_pct"] == 50.0 and f.evidence["rate_lost_pct"] == pytest.approx(33.3, abs=0.1)
+    assert f.evidence["excess_pct"] == 50.0 and f.evidence["noise_floor_pct"] == 10.0  # no jitter: the 10 % share
     assert pp_unbalanced(_records([20.0, 21.0])) is None
 
 
@@ -215,3 +218,42 @@ def test_every_finding_is_documented():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "doctor.md").read_text()
     for fid, rule in RULES.items():
         assert f"`{fid}`" in doc, fid
+
+
+def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
+    """The callback end to end in one process, switched on the way MFUMonitor would (ensure_doctor)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from meshkit.doctor import Doctor, ensure_doctor
+
+    class SwitchOn(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.doctor = ensure_doctor(trainer, pl_module, stage)
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    switch = SwitchOn()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="r"),
+                        callbacks=[switch], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    assert isinstance(switch.doctor, Doctor) and ensure_doctor(trainer, None, "fit") is switch.doctor
+    (f,) = switch.doctor.findings
+    assert f.id == "unused_parameters" and f.evidence["parameters"] == ["unused.weight", "unused.bias"]
+    log_dir = tmp_path / "r" / "version_0"
+    back, run = read_report(log_dir)
+    assert [b.id for b in back] == ["unused_parameters"] and run["global_batch"] == 2
+    events = b"".join(p.read_bytes() for p in log_dir.glob("events.out.tfevents.*"))
+    assert b"meshkit/doctor" in events
+    assert "WARNING  unused_parameters (rank 0)" in capsys.readouterr().out
