@@ -16,6 +16,8 @@ CPU smoke mode (no GPU needed; what CI and this repo's authors could run)::
 
     python benchmarks/kernels.py --device cpu    # small shapes, meshkit = torch reference path,
                                                  # + the FLCE peak-memory benchmark below
+    python benchmarks/kernels.py --device cpu --no-memory --compile-on-cpu --compile-backend eager
+                                                 # benchmarks/gpu/run_all.sh --cpu: every provider's path
 
 The CPU memory benchmark runs ``fused_linear_cross_entropy`` and ``F.cross_entropy(h @ W.T)`` forward
 and backward (grads of h and W in both) in separate processes at 4096 tokens, vocab 32000, and
@@ -266,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     ap.add_argument("--kernels", default="rms_norm,swiglu,rope,flce")
     ap.add_argument("--compile-on-cpu", action="store_true", help="include torch.compile in CPU smoke mode")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the 'compile' provider ('eager': dynamo only, for dry runs)")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                     help="run the CPU FLCE memory benchmark (default: on with --device cpu)")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=4096)
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         prob = probs[name]
         providers = dict(prob["providers"])
         if not cpu or args.compile_on_cpu:
-            providers["compile"] = torch.compile(providers["eager"])
+            providers["compile"] = torch.compile(providers["eager"], backend=args.compile_backend)
         for pname, fn in providers.items():
             try:
                 rows.append(measure(name, prob, pname, fn, args.device))
@@ -321,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         failed |= mem["ratio"] > 0.3
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "bf16": checks, "memory": mem}, f, indent=1)
+            json.dump({"device": args.device, "dtype": str(dtype), "compile_backend": args.compile_backend,
+                   "providers": sorted({r["provider"] for r in rows}), "rows": rows, "bf16": checks,
+                   "memory": mem}, f, indent=1)
     return 1 if failed else 0
 
 

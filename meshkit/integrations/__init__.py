@@ -5,7 +5,7 @@
 - :func:`fused_lm_loss` is the fused LM loss from final hidden states; :func:`uses_fused_loss` tells
   whether a model's root forward was patched to return it.
 
-The same three names are reachable as ``meshkit.kernels.apply_fused_kernels`` etc. See docs/kernels.md.
+See docs/kernels.md.
 
 Example::
 

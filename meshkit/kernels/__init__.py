@@ -7,8 +7,8 @@ Pure compute: no model knowledge (model-family patching lives in :mod:`meshkit.i
 - :func:`rope_cos_sin` / :func:`apply_rope`: the rotary tables and the eager torch rotation models use;
 - :func:`kernel_backend` picks Triton or the torch reference; :func:`builtin_kernel_specs` describes
   the Triton kernels for ahead-of-time compilation;
-- :func:`apply_fused_kernels`, :func:`fused_lm_loss`, :func:`uses_fused_loss` are re-exported lazily from
-  :mod:`meshkit.integrations` (importing ``meshkit.kernels`` imports no model code).
+- model-family patching (``apply_fused_kernels``, ``fused_lm_loss``, ``uses_fused_loss``) lives in
+  :mod:`meshkit.integrations`, which imports this package, never the other way round.
 
 CUDA tensors run compiled Triton; CPU tensors run the torch reference, or the Triton code under
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set before import. ``MESHKIT_KERNELS=reference``
@@ -32,19 +32,17 @@ __all__ = [
     "rope_cos_sin",
     "apply_rope",
     "fused_linear_cross_entropy",
-    "apply_fused_kernels",
-    "fused_lm_loss",
-    "uses_fused_loss",
     "kernel_backend",
     "builtin_kernel_specs",
 ]
 
-_FROM_INTEGRATIONS = ("apply_fused_kernels", "fused_lm_loss", "uses_fused_loss")
+_MOVED = ("apply_fused_kernels", "fused_lm_loss", "uses_fused_loss")
 
 
-def __getattr__(name: str) -> Any:  # the documented names of model patching, which lives in meshkit.integrations
-    if name in _FROM_INTEGRATIONS:
-        import meshkit.integrations
-
-        return getattr(meshkit.integrations, name)
+def __getattr__(name: str) -> Any:  # a clear error for the patching names, which live in meshkit.integrations
+    if name in _MOVED:
+        raise AttributeError(
+            f"meshkit.kernels.{name} moved to meshkit.integrations.{name} (kernels/ holds no model knowledge): "
+            f"use `from meshkit.integrations import {name}`."
+        )
     raise AttributeError(f"module 'meshkit.kernels' has no attribute {name!r}")

@@ -47,6 +47,9 @@ __all__ = [
     "hop_latency_ns",
     "simulate_from_timeline",
     "gantt_figure",
+    "format_time",
+    "format_fraction",
+    "format_bubble",
     "configure_parser",
     "run_cli",
 ]
@@ -490,6 +493,81 @@ def gantt_figure(source: SimResult | Sequence[TimelineRecord], step: int | None 
 
 # ----------------------------------------------------------------------------------------- CLI
 
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+# key of the CLI's result -> (label, kind): "frac" prints as percent, "time" with its unit
+_TEXT_ROWS: dict[str, tuple[str, str]] = {
+    "schedule": ("schedule", "str"),
+    "stages": ("stages (p)", "str"),
+    "microbatches": ("microbatches (m)", "str"),
+    "virtual": ("chunks per rank (v)", "str"),
+    "total_time": ("step time, simulated", "time"),
+    "ideal_time": ("busiest rank's compute", "time"),
+    "bubble_fraction": ("bubble, simulated", "frac"),
+    "peak_inflight_microbatches": ("peak in-flight microbatches per rank", "list"),
+    "theoretical_bubble_fraction": ("bubble, closed form", "frac"),
+    "theoretical_total_time": ("step time, closed form", "time"),
+    "measured_bubble_fraction": ("bubble, measured", "frac"),
+    "measured_step_time_ms": ("step time, measured (mean)", "time_ms"),
+    "simulated_bubble_fraction": ("bubble, replayed (free hops)", "frac"),
+    "hop_latency_ms": ("P2P hop, measured (median)", "time_ms"),
+    "simulated_with_hops_bubble_fraction": ("bubble, replayed with measured hops", "frac"),
+    "per_step_bubble_fraction": ("bubble per step, measured", "frac_map"),
+    "time_unit": ("", "skip"),
+    "gantt": ("Gantt chart", "str"),
+}
+
+
+def format_time(value: float, unit: str = "ms") -> str:
+    """A time with its unit, 4 significant digits; known units (ns, us, ms, s) rescale to fit.
+
+    >>> format_time(33.0), format_time(0.0123, "ms"), format_time(1500, "ms"), format_time(2.5, "ticks")
+    ('33 ms', '12.3 us', '1.5 s', '2.5 ticks')
+    """
+    if unit not in _SECONDS or value == 0:
+        return f"{value:.4g} {unit}"
+    seconds = value * _SECONDS[unit]
+    for name in ("s", "ms", "us", "ns"):
+        if abs(seconds) >= _SECONDS[name] or name == "ns":
+            return f"{seconds / _SECONDS[name]:.4g} {name}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_fraction(value: float) -> str:
+    """A fraction as a percent with 2 decimals: ``format_fraction(9 / 33) == '27.27 %'``."""
+    return f"{100 * value:.2f} %"
+
+
+def format_bubble(out: Mapping[str, Any], unit: str = "ms") -> str:
+    """The text table of ``meshkit bubble``: fractions in percent, times with ``unit`` (``--json`` prints raw).
+
+    >>> print(format_bubble({"schedule": "1f1b", "bubble_fraction": 9 / 33, "total_time": 33.0}, unit="ms"))
+                schedule: 1f1b
+       bubble, simulated: 27.27 %
+    step time, simulated: 33 ms
+    """
+    rows: list[tuple[str, str]] = []
+    for key, value in out.items():
+        label, kind = _TEXT_ROWS.get(key, (key, "str"))
+        if kind == "skip":
+            continue
+        if kind == "frac":
+            text = format_fraction(value)
+        elif kind == "time":
+            text = format_time(value, unit)
+        elif kind == "time_ms":
+            text = format_time(value, "ms")
+        elif kind == "list":
+            text = ", ".join(str(v) for v in value)
+        elif kind == "frac_map":
+            text = ", ".join(f"step {k}: {format_fraction(v)}" for k, v in value.items())
+        else:
+            text = str(value)
+        rows.append((label, text))
+    width = max((len(label) for label, _ in rows), default=0)
+    return "\n".join(f"{label:>{width}}: {text}" for label, text in rows)
+
+
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """``meshkit bubble --schedule 1f1b -p 4 -m 8 [--tf 1 --tb 2 --tw ...] [--timeline DIR] [--json]``."""
@@ -498,10 +576,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (ranks)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches per step")
     parser.add_argument("-v", "--virtual", type=int, default=1, help="model chunks per rank (interleaved)")
-    parser.add_argument("--tf", type=float, default=1.0, help="forward time of one microbatch on one stage")
+    parser.add_argument("--tf", type=float, default=1.0, help="forward time of one microbatch on one stage (in --unit)")
     parser.add_argument("--tb", type=float, default=2.0,
-                        help="backward time (full B; for zero-bubble the input-grad I)")
-    parser.add_argument("--tw", type=float, default=None, help="weight-grad time W (zero-bubble)")
+                        help="backward time (full B; for zero-bubble the input-grad I) (in --unit)")
+    parser.add_argument("--tw", type=float, default=None, help="weight-grad time W (zero-bubble) (in --unit)")
+    parser.add_argument("--unit", default="ms",
+                        help="the time unit of --tf/--tb/--tw, printed with every time (default ms; ns, us, s "
+                             "rescale; any other name is printed as given); --timeline times are always ms")
     parser.add_argument("--timeline", default=None,
                         help="a run's pp_timeline directory (or log_dir): report its measured bubble too")
     parser.add_argument("--skip-steps", type=int, default=1, help="warm-up steps of --timeline to ignore")
@@ -552,8 +633,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
-        for k, v in out.items():
-            print(f"{k:>30}: {v}")
+        print(format_bubble(out, unit=out.get("time_unit", args.unit)))
     return 0
 
 

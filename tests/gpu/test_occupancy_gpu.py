@@ -89,6 +89,8 @@ out["device"] = dict(name=p.name, sms=p.multi_processor_count, cap=list(cap),
 print(json.dumps(out))
 '''
 
+RED_SIG = "X=*fp32,OUT=*fp32,N=i32,stride=i32"
+"""row_sum_squares as the script launches it (BLOCK=1024, num_warps=4); benchmarks/gpu/registers.py uses it too."""
 MM_SIG = {"A": "*fp16", "B": "*fp16", "C": "*fp16", "M": "i32:16", "N": "i32:16", "K": "i32:16",
           "stride_am": "i32:16", "stride_bk": "i32:16", "stride_cm": "i32:16"}
 MM_CONST = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "stride_ak": 1, "stride_bn": 1,
@@ -117,7 +119,7 @@ def _arch(run):
 def test_offline_registers_spills_and_shared_equal_the_loaded_kernel(gpu_run):
     run, cache = gpu_run
     arch = _arch(run)
-    (red,) = kernel_occupancy(row_sum_squares, signature="X=*fp32,OUT=*fp32,N=i32,stride=i32",
+    (red,) = kernel_occupancy(row_sum_squares, signature=RED_SIG,
                               constexprs={"BLOCK": 1024}, num_warps=4, archs=[arch], cache_dir=cache)
     (mm,) = kernel_occupancy(matmul_kernel, signature=MM_SIG, constexprs=MM_CONST, num_warps=8, num_stages=4,
                              archs=[arch], cache_dir=cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -154,6 +155,21 @@ def test_read_timeline(tmp_path):
         B.read_timeline(str(tmp_path / "none"))
 
 
+def _write_run(log_dir):
+    """A recorded run in ``log_dir``: 1F1B p=2 m=4 at F=1 ms, B=2 ms, two steps 100 ms apart; its SimResult."""
+    d = log_dir / "pp_timeline"
+    d.mkdir(parents=True)
+    sim = simulate("1f1b", 2, 4, tf=1, tb=2)
+    for r in range(2):
+        with open(d / f"pp_timeline_rank{r}.jsonl", "w") as f:
+            for step in range(2):
+                for rec in _records_from(sim, step, scale=10**6):
+                    if rec.rank == r:
+                        f.write(json.dumps({**rec.__dict__, "start_ns": rec.start_ns + step * 10**8,
+                                            "end_ns": rec.end_ns + step * 10**8}) + "\n")
+    return sim
+
+
 def test_gantt_and_cli(tmp_path, capsys):
     fig = B.gantt_figure(simulate("1f1b", 4, 8))
     assert len(fig.axes[0].get_yticks()) == 4
@@ -169,17 +185,45 @@ def test_gantt_and_cli(tmp_path, capsys):
     assert B.run_cli(p.parse_args(["--schedule", "zero-bubble", "-p", "4", "-m", "8"])) == 2
     assert "tw" in capsys.readouterr().err
     # measured: a recorded run
-    d = tmp_path / "run" / "pp_timeline"
-    d.mkdir(parents=True)
-    sim = simulate("1f1b", 2, 4, tf=1, tb=2)
-    for r in range(2):
-        with open(d / f"pp_timeline_rank{r}.jsonl", "w") as f:
-            for step in range(2):
-                for rec in _records_from(sim, step, scale=10**6):
-                    if rec.rank == r:
-                        f.write(json.dumps({**rec.__dict__, "start_ns": rec.start_ns + step * 10**8,
-                                            "end_ns": rec.end_ns + step * 10**8}) + "\n")
+    sim = _write_run(tmp_path / "run")
     assert B.run_cli(p.parse_args(["--timeline", str(tmp_path / "run"), "--json"])) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["measured_bubble_fraction"] == pytest.approx(sim.bubble_fraction)
     assert out["simulated_bubble_fraction"] == pytest.approx(sim.bubble_fraction)
+
+
+_LONG_FLOAT = r"\d\.\d{5,}"  # what the text output printed before: 0.2727272727272727
+
+
+def test_cli_text_has_units_and_percent(tmp_path, capsys):
+    p = argparse.ArgumentParser()
+    B.configure_parser(p)
+    assert B.run_cli(p.parse_args(["-p", "4", "-m", "8"])) == 0
+    text = capsys.readouterr().out
+    assert not re.search(_LONG_FLOAT, text), text
+    # 1f1b p=4 m=8 F=1 B=2: total 33, busiest rank 24, bubble 9/33 = 27.27 % (theory and simulator)
+    assert re.search(r"step time, simulated: 33 ms$", text, re.M)
+    assert re.search(r"busiest rank's compute: 24 ms$", text, re.M)
+    assert re.search(r"bubble, simulated: 27\.27 %$", text, re.M)
+    assert re.search(r"bubble, closed form: 27\.27 %$", text, re.M)
+    assert re.search(r"peak in-flight microbatches per rank: 4, 3, 2, 1$", text, re.M)
+    assert B.run_cli(p.parse_args(["-p", "4", "-m", "8", "--tf", "1500", "--tb", "3000", "--unit", "us"])) == 0
+    assert re.search(r"step time, closed form: 49\.5 ms$", capsys.readouterr().out, re.M)  # 33 × 1.5 ms
+    # a recorded run (times in ns on disk): 1F1B p=2 m=4 at F=1 ms, B=2 ms -> span 15 ms, bubble 3/15 = 20 %
+    sim = _write_run(tmp_path / "run")
+    assert B.run_cli(p.parse_args(["--timeline", str(tmp_path / "run")])) == 0
+    text = capsys.readouterr().out
+    assert not re.search(_LONG_FLOAT, text), text
+    assert sim.total_time == 15 and sim.bubble_fraction == pytest.approx(0.2)
+    assert re.search(r"step time, measured \(mean\): 15 ms$", text, re.M)
+    assert re.search(r"bubble, measured: 20\.00 %$", text, re.M)
+    assert re.search(r"bubble per step, measured: step 1: 20\.00 %$", text, re.M)
+    assert "time_unit" not in text
+
+
+def test_format_time_rescales_known_units():
+    assert B.format_time(0.25, "ms") == "250 us"
+    assert B.format_time(2.5e6, "ns") == "2.5 ms"
+    assert B.format_time(12345.678, "ms") == "12.35 s"
+    assert B.format_time(0, "ms") == "0 ms"
+    assert B.format_fraction(3 / 19) == "15.79 %"

@@ -55,15 +55,7 @@ def _owner(module: str) -> str | None:
     return None
 
 
-# The one exception, by name: meshkit.kernels re-exports the documented patching names lazily (PEP 562
-# __getattr__), so `meshkit.kernels.apply_fused_kernels` keeps working; importing meshkit.kernels loads no model code
-# (tests/kernels/test_patching.py checks that in a fresh process).
-EXCEPTIONS = {("meshkit.kernels", "meshkit.integrations")}
-
-
 def _allowed(importer: str, imported: str) -> bool:
-    if (importer, imported) in EXCEPTIONS:
-        return True
     owner = _owner(importer)
     if owner is None or imported == owner or imported.startswith(owner + "."):
         return True
