@@ -47,6 +47,7 @@ __all__ = [
     "sweep_occupancy",
     "TritonKernelReport",
     "MFUMonitor",
+    "Doctor",
     "kernels",
     "__version__",
 ]
@@ -61,6 +62,10 @@ def __getattr__(name: str):  # callbacks and Triton kernels load lazily: `import
         from meshkit.profiling.mfu import MFUMonitor
 
         return MFUMonitor
+    if name == "Doctor":
+        from meshkit.doctor import Doctor
+
+        return Doctor
     if name == "TritonKernelReport":
         from meshkit.profiling.occupancy import TritonKernelReport
 

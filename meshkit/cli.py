@@ -41,6 +41,7 @@ VERBS: dict[str, tuple[str, str]] = {
         "meshkit.profiling.occupancy.cli",
         "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",
     ),
+    "doctor": ("meshkit.doctor", "the failures that raise no error (tp across nodes, stragglers, ...) from a run's logs"),
 }
 
 

@@ -1,0 +1,386 @@
+"""``meshkit.Doctor``: a Lightning callback that checks a run for the failures that raise no error.
+
+At setup it checks the layout against the node map and the preset (``tp_across_nodes``,
+``preset_fallback``) and reads the previous run in the same log directory; after the first
+step the FSDP units, the pipeline micro-batches, the dp overlap condition, the global batch and
+unused parameters; during the first ``probe_steps`` steps each rank times a tiny probe collective
+(at batch start and before backward: the last rank to arrive waits least) and hashes its first
+``hash_batches`` batches. At train end rank 0 gathers all that (one collective) and adds the
+cross-rank checks (``identical_batches``, ``straggler``), the pipeline timeline (``pp_unbalanced``),
+CUDA profiler traces (``zero3_exposed_allgather``) and MFUMonitor's MFU (``mfu_band``); at fit end
+TritonKernelReport's kernels (``low_occupancy``; put Doctor after it in ``callbacks``). Rank 0
+writes ``<log_dir>/doctor.json``, a markdown table to TensorBoard's text tab, and prints the findings once.
+
+Example::
+
+    >>> import lightning as L, meshkit
+    >>> trainer = L.Trainer(callbacks=[meshkit.Doctor()], max_steps=10)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from meshkit.doctor import checks
+from meshkit.doctor.findings import REPORT_FILE, Finding, findings_markdown, format_findings, merge_ranks, \
+    read_report, write_report
+
+__all__ = ["Doctor", "ensure_doctor", "previous_run"]
+
+
+class Doctor(Callback):
+    """Check a run for the failures that never raise an error; see the module docstring.
+
+    Args:
+        hash_batches: how many first batches each rank hashes for ``identical_batches``.
+        probe_steps: steps (after ``warmup_steps``) whose probe waits feed ``straggler``; 0 turns it off.
+        warmup_steps: first steps left out of timing.
+        log_dir: where ``doctor.json`` goes (default: the trainer's ``log_dir``).
+        print_report: print the findings on rank 0 at fit end.
+
+    After ``fit``, rank 0's ``doctor.findings`` holds the list (other ranks: what they saw themselves).
+    """
+
+    def __init__(self, *, hash_batches: int = 2, probe_steps: int = 20, warmup_steps: int = 1,
+                 log_dir: str | None = None, print_report: bool = True) -> None:
+        for name, value in (("hash_batches", hash_batches), ("probe_steps", probe_steps),
+                            ("warmup_steps", warmup_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Doctor: `{name}={value!r}` must be an int >= 0.")
+        self.hash_batches, self.probe_steps, self.warmup_steps = hash_batches, probe_steps, warmup_steps
+        self.log_dir, self.print_report = log_dir, print_report
+        self.findings: list[Finding] = []
+        self.run: dict[str, Any] = {}
+        self._active = False
+
+    # ------------------------------------------------------------------ setup: layout
+    @override
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._active = True
+        self.findings, self._local = [], []
+        self._hashes: list[str] = []
+        self._waits: list[float] = []
+        self._step_ms: list[float] = []
+        self._batches, self._wait, self._t0, self._first_done, self._grads_done = 0, 0.0, 0.0, False, False
+        self._rank, self._world = trainer.global_rank, trainer.world_size
+        self._log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+        self._previous = previous_run(self._log_dir)
+        self._dist = dist.is_available() and dist.is_initialized() and self._world > 1
+        self._probe_group = None
+        node = int(getattr(trainer, "node_rank", 0))
+        self._node_of = [node]
+        if self._dist:
+            nodes: list[Any] = [None] * self._world
+            dist.all_gather_object(nodes, node)
+            self._node_of = [int(n) for n in nodes]
+            if dist.get_backend() != "gloo":  # a host-side probe must not drain the device queue
+                self._probe_group = dist.new_group(backend="gloo")
+        self._dims = _parallel_dims(trainer.strategy)
+        if self._dims is not None:
+            self._grid = checks.rank_grid(self._dims.degrees, self._dims.order)
+            self._order = tuple(self._dims.order)
+            if len(self._node_of) == self._world:
+                self._add(checks.tp_across_nodes(self._grid, self._order, self._node_of))
+            preset = getattr(trainer.strategy, "preset", None)
+            if preset is not None:
+                self._local.extend(checks.preset_fallback(preset, self._dims.degrees, trainer.num_nodes, self._world))
+        else:  # plain data parallel: every rank its own replica
+            self._grid, self._order = checks.rank_grid({"dp_shard": self._world}, ("dp_shard",)), ("dp_shard",)
+
+    def _add(self, finding: Finding | None) -> None:
+        if finding is not None:
+            self._local.append(finding)
+
+    @override
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if not self._active or self._dims is None:
+            return
+        self._add(checks.one_fsdp_unit(_fsdp_unit_parameters(trainer.strategy.model or pl_module),
+                                       self._dims.fsdp_enabled))
+
+    # ------------------------------------------------------------------ per step
+    def _probing(self) -> bool:
+        return self._dist and self.warmup_steps <= self._batches < self.warmup_steps + self.probe_steps
+
+    def _probe(self) -> None:
+        """A one-element all-reduce: how long this rank waits in it is how early it arrived."""
+        t = time.perf_counter()
+        dist.all_reduce(torch.zeros(1), group=self._probe_group)
+        self._wait += 1e3 * (time.perf_counter() - t)
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if not self._active:
+            return
+        if len(self._hashes) < self.hash_batches:
+            self._hashes.append(_batch_hash(batch))
+        self._wait = 0.0
+        if self._probing():
+            self._probe()
+        self._t0 = time.perf_counter()
+
+    @override
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        if self._active and self._probing():
+            self._probe()
+
+    @override
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if not self._active or self._grads_done:
+            return
+        self._grads_done = True  # after the first backward: every trainable parameter has a gradient
+        unused = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad and p.grad is None]
+        self._add(checks.unused_parameters([n for n, _ in unused], sum(p.numel() for _, p in unused), self._rank))
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self._active:
+            return
+        step_ms = 1e3 * (time.perf_counter() - self._t0)
+        if self._probing():
+            self._waits.append(self._wait)
+            self._step_ms.append(step_ms)
+        self._batches += 1
+        if not self._first_done:
+            self._first_done = True
+            self._first_step(trainer, batch)
+
+    def _first_step(self, trainer: Any, batch: Any) -> None:
+        """Batch arithmetic, once the first batch's size is known."""
+        from meshkit.profiling.mfu import batch_tokens
+
+        local = _batch_size(batch)
+        accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+        dp = self._dims.dp_size if self._dims is not None else self._world
+        lr = None
+        if trainer.optimizers and trainer.optimizers[0].param_groups:
+            lr = trainer.optimizers[0].param_groups[0].get("lr")
+        self.run = {"global_batch": local * dp * accumulate if local else None, "lr": lr,
+                    "log_dir": os.path.abspath(self._log_dir), "world_size": self._world,
+                    "degrees": dict(self._dims.degrees) if self._dims is not None else None}
+        if self._previous:
+            self._add(checks.global_batch_changed(self._previous, self.run))
+        pipe = getattr(trainer.strategy, "_pipeline", None)
+        if self._dims is not None and self._dims.pp_enabled and pipe is not None and local:
+            from meshkit.plugins.pipeline import resolve_microbatches
+            from meshkit.schedules import canonical_schedule, resolve_virtual_stages
+
+            name = canonical_schedule(pipe.schedule)
+            m = resolve_microbatches(name, self._dims.pp, local, pipe.microbatches, pipe.virtual_stages)
+            self._add(checks.few_microbatches(name, self._dims.pp, m, resolve_virtual_stages(name, pipe.virtual_stages)))
+        try:
+            tokens = batch_tokens(batch) * accumulate
+        except ValueError:
+            return
+        self._add(self._dp_overlap(trainer, tokens, dp))
+
+    def _dp_overlap(self, trainer: Any, tokens: int, dp: int) -> Finding | None:
+        from meshkit.hardware import find_gpu, normalize_dtype
+        from meshkit.profiling.flops import peak_info
+
+        device = trainer.strategy.root_device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        row = find_gpu(name, has=("inter_bw_gbs",))
+        if row is None or dp < 2:
+            return None
+        try:
+            peak = peak_info(name, normalize_dtype(str(getattr(trainer, "precision", "32-true"))))
+        except ValueError:
+            return None
+        dp_groups = checks.axis_groups(self._grid, self._order, [a for a in ("dp_replicate", "dp_shard")
+                                                                 if a in self._order])
+        crosses = any(len({self._node_of[r] for r in g}) > 1 for g in dp_groups) if len(self._node_of) > 1 else False
+        link, bw = ("inter-node", row.inter_bw_gbs) if crosses else ("intra-node", row.intra_bw_gbs)
+        return checks.dp_overlap(tokens, peak.flops, float(bw), dp, link, measured_peak=peak.kind == "measured")
+
+    # ------------------------------------------------------------------ end: gather, cross-rank checks
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self._active:
+            return
+        mine = {"findings": [f.to_dict() for f in self._local], "hashes": self._hashes, "waits": self._waits,
+                "step_ms": self._step_ms}
+        everyone = [mine]
+        if self._dist:
+            everyone = [None] * self._world
+            dist.all_gather_object(everyone, mine)
+        if self._rank != 0:
+            self.findings = list(self._local)
+            return
+        found = merge_ranks([[Finding.from_dict(d) for d in p["findings"]] for p in everyone])
+        found.extend(self._cross_rank(everyone))
+        found.extend(self._from_files(trainer))
+        found.extend(_mfu_findings(trainer))
+        self.findings = merge_ranks([found])
+        write_report(self._log_dir, self.findings, self.run)
+
+    def _cross_rank(self, everyone: list[dict]) -> list[Finding]:
+        out = []
+        if len(everyone) > 1:
+            hashes = {r: p["hashes"] for r, p in enumerate(everyone)}
+            data_axes = [a for a in ("dp_replicate", "dp_shard") if a in self._order]
+            f = checks.identical_batches(hashes, checks.axis_groups(self._grid, self._order, data_axes))
+            out.append(f) if f else None
+            steps = [s for p in everyone for s in p["step_ms"]]
+            if steps:
+                f = checks.straggler({r: p["waits"] for r, p in enumerate(everyone)}, statistics.median(steps))
+                out.append(f) if f else None
+        return out
+
+    def _from_files(self, trainer: Any) -> list[Finding]:
+        """pp_unbalanced from the pipeline timeline, zero3_exposed_allgather from CUDA profiler traces."""
+        out: list[Finding] = []
+        from meshkit.timeline import find_timeline_dir, read_timeline
+
+        pipe = getattr(trainer.strategy, "_pipeline", None)
+        tdir = getattr(pipe, "timeline_dir", None) or find_timeline_dir(self._log_dir)
+        if tdir and os.path.isdir(tdir):
+            try:
+                f = checks.pp_unbalanced(read_timeline(tdir), skip_steps=self.warmup_steps)
+                out.append(f) if f else None
+            except ValueError:
+                pass
+        out.extend(traces_findings(os.path.join(self._log_dir, "profiler")))
+        return out
+
+    # ------------------------------------------------------------------ fit end: kernels, report
+    @override
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if not self._active or self._rank != 0:
+            self._active = False
+            return
+        self._active = False
+        reports = [r for cb in trainer.callbacks for r in (getattr(cb, "reports", None) or [])
+                   if hasattr(r, "occupancy")]
+        if reports:
+            self.findings = merge_ranks([self.findings + checks.low_occupancy(reports)])
+            write_report(self._log_dir, self.findings, self.run)
+        writer = next((lg.experiment for lg in trainer.loggers
+                       if hasattr(getattr(lg, "experiment", None), "add_text")), None)
+        if writer is not None:
+            writer.add_text("meshkit/doctor", findings_markdown(self.findings), global_step=0)
+            writer.flush()
+        if self.print_report:
+            print(format_findings(self.findings), flush=True)
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def ensure_doctor(trainer: Any, pl_module: Any, stage: str) -> Doctor:
+    """The trainer's Doctor, added (and set up) if it has none: the one call MFUMonitor.setup makes to switch it on."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, Doctor):
+            return cb
+    doctor = Doctor()
+    trainer.callbacks.append(doctor)
+    doctor.setup(trainer, pl_module, stage)
+    return doctor
+
+
+def traces_findings(trace_dir: str) -> list[Finding]:
+    """zero3_exposed_allgather from the torch.profiler traces under ``trace_dir`` (none if there are none)."""
+    from meshkit.profiling.trace import find_trace_files, load_rank_traces
+
+    if not os.path.isdir(trace_dir) or not find_trace_files(trace_dir):
+        return []
+    try:
+        ranks, _, _ = load_rank_traces(trace_dir)
+    except ValueError:
+        return []
+    return checks.zero3_exposed_allgather(ranks)
+
+
+def _mfu_findings(trainer: Any) -> list[Finding]:
+    """mfu_band from a callback that keeps MFUMonitor's ``history`` (StepMetrics) and ``peak_source``."""
+    for cb in trainer.callbacks:
+        history = getattr(cb, "history", None)
+        source = getattr(cb, "peak_source", None)
+        if history and isinstance(source, str):
+            mfus = sorted(m.mfu for m in history)
+            kind = source.split(":", 1)[0] if ":" in source else source
+            return [checks.mfu_band(mfus[len(mfus) // 2], kind, source)]
+    return []
+
+
+_VERSION = re.compile(r"^version_(\d+)$")
+
+
+def previous_run(log_dir: str) -> dict[str, Any]:
+    """The ``run`` record of the previous run in the same log directory: ``<log_dir>/doctor.json`` itself
+    (a reused directory), else the highest earlier ``version_N`` sibling's (TensorBoardLogger's layout)."""
+    candidates = [os.path.join(log_dir, REPORT_FILE)]
+    parent, base = os.path.split(os.path.normpath(log_dir))
+    m = _VERSION.match(base)
+    if m and os.path.isdir(parent):
+        earlier = sorted((int(v.group(1)), d) for d in os.listdir(parent)
+                         if (v := _VERSION.match(d)) and int(v.group(1)) < int(m.group(1)))
+        candidates += [os.path.join(parent, d, REPORT_FILE) for _, d in reversed(earlier)]
+    for path in candidates:
+        if os.path.isfile(path):
+            try:
+                return read_report(path)[1]
+            except ValueError:
+                continue
+    return {}
+
+
+def _fsdp_unit_parameters(model: torch.nn.Module) -> list[int]:
+    """Each FSDP unit's own parameters (not those of units nested in it), counted unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units: dict[int, int] = {}
+
+    def walk(module: torch.nn.Module, owner: int | None) -> None:
+        owner = id(module) if isinstance(module, FSDPModule) else owner
+        if owner is not None:
+            units[owner] = units.get(owner, 0) + sum(p.numel() for p in module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return list(units.values())
+
+
+def _parallel_dims(strategy: Any) -> Any:
+    try:
+        dims = getattr(strategy, "parallel_dims", None)
+    except RuntimeError:  # not resolved yet
+        return None
+    return dims if hasattr(dims, "degrees") and hasattr(dims, "order") else None
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for k in sorted(batch, key=str) for t in _tensors(batch[k])]
+    if isinstance(batch, (list, tuple)):
+        return [t for b in batch for t in _tensors(b)]
+    return []
+
+
+def _batch_hash(batch: Any) -> str:
+    h = hashlib.sha1()
+    for t in _tensors(batch):
+        t = t.detach().to("cpu").contiguous()
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _batch_size(batch: Any) -> int | None:
+    ts = _tensors(batch)
+    return int(ts[0].shape[0]) if ts and ts[0].dim() >= 1 else None
