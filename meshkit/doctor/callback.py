@@ -292,15 +292,20 @@ def ensure_doctor(trainer: Any, pl_module: Any, stage: str) -> Doctor:
 
 def traces_findings(trace_dir: str) -> list[Finding]:
     """zero3_exposed_allgather from the torch.profiler traces under ``trace_dir`` (none if there are none)."""
-    from meshkit.profiling.trace import find_trace_files, load_rank_traces
+    from meshkit.profiling.trace import find_trace_files, load_windows
 
     if not os.path.isdir(trace_dir) or not find_trace_files(trace_dir):
         return []
     try:
-        ranks, _, _ = load_rank_traces(trace_dir)
+        windows, _ = load_windows(trace_dir)
     except ValueError:
         return []
-    return checks.zero3_exposed_allgather(ranks)
+    worst: dict[int, Finding] = {}  # per rank, the window where the most all-gather time was exposed
+    for window in windows:
+        for f in checks.zero3_exposed_allgather(window.ranks):
+            if f.rank not in worst or f.evidence["fraction"] > worst[f.rank].evidence["fraction"]:
+                worst[f.rank] = f
+    return [worst[r] for r in sorted(worst)]
 
 
 def _mfu_findings(trainer: Any) -> list[Finding]:

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import statistics
 from typing import Any, Mapping, Sequence
 
@@ -142,10 +141,10 @@ def few_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: 
 
 
 def _achieved_fraction() -> float:
-    """The planner's default share of peak that large matmuls reach (``plan(achieved_fraction=...)``)."""
-    from meshkit.plugins.planner import plan
+    """The planner's calibrated share of peak that large matmuls reach (``planner.costs.CALIBRATION``)."""
+    from meshkit.plugins.planner.costs import CALIBRATION
 
-    return float(inspect.signature(plan).parameters["achieved_fraction"].default)
+    return CALIBRATION.achieved_fraction
 
 
 def dp_overlap(tokens_per_dp_rank: float, peak_flops: float, bandwidth_gbs: float, dp: int, link: str,
@@ -306,7 +305,7 @@ def zero3_exposed_allgather(ranks: Mapping[int, Any], threshold: float = 0.10) -
     for r, rt in sorted(ranks.items()):
         if rt.shape != "cuda" or not rt.step_windows.size:
             continue
-        ag = [(s, e) for name, s, e in rt.collectives if name.lower().replace("_", "") == "allgather"]
+        ag = [(s, e) for name, s, e, *_ in rt.collectives if name.lower().replace("_", "") == "allgather"]
         if not ag:
             continue
         gathers = Intervals.union([s for s, _ in ag], [e for _, e in ag])
