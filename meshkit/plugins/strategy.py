@@ -328,7 +328,8 @@ class NDParallelStrategy(ModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that timed out gets a note naming the collective, the group and its ranks."""
-        if _is_timeout(exception) and hasattr(exception, "add_note"):
+        built = self._parallel_dims is not None and self._parallel_dims._mesh is not None  # else: the rendezvous
+        if built and _is_timeout(exception) and hasattr(exception, "add_note"):
             exception.add_note(_timeout_note(exception, self._parallel_dims, self._timeout, self.global_rank))
         super().on_exception(exception)
 
@@ -376,10 +377,14 @@ def _timeout_note(exception: BaseException, dims: Optional[ParallelDims], timeou
             found = [v for v in frame.f_locals.values() if isinstance(v, ProcessGroup)]
             group = found[0] if found else group
         tb = tb.tb_next
-    where = ""
     if group is not None:
         axis = names.get(group.group_name, group.group_desc or group.group_name)
         where = f" on group `{axis}` (ranks {get_process_group_ranks(group)})"
+    else:  # e.g. a functional collective's wait_tensor keeps no group: list this rank's groups
+        axes = {a: dims.submesh(a) for a in dims.order} if dims is not None and dims._mesh is not None else {}
+        where = " on one of this rank's groups " + ", ".join(
+            f"`{a}` {get_process_group_ranks(m.get_group())}" for a, m in axes.items() if m.size() > 1
+        )
     return (
         f"meshkit (rank {rank}): {collective}{where} timed out after `timeout={timeout}`: another rank in that group "
         "stopped responding (crashed, frozen, out of memory, or it runs other collectives). Look for the rank that "

@@ -125,7 +125,7 @@ def launcher(pid_dir: str, what: str) -> None:
     timeout = timedelta(seconds=10) if what == "rendezvous" else timedelta(minutes=30)
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=nodes, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, max_steps=1000, callbacks=[Pids()],
-                        strategy=meshkit.NDParallelStrategy(dp_shard=2 * nodes, tp=1, timeout=timeout))
+                        strategy=meshkit.NDParallelStrategy(dp_replicate=1, dp_shard=2 * nodes, tp=1, timeout=timeout))
     trainer.fit(T.build_module("mha"), _data(1000, 2))
 
 

@@ -66,9 +66,9 @@ def test_dead_rank0_under_lightnings_launcher_takes_the_others_down(tmp_path):
 def test_rendezvous_that_cannot_complete_fails_within_the_timeout(tmp_path, what):
     proc = jobs.start_plain("launcher", str(tmp_path), what, log_dir=tmp_path)
     start = time.monotonic()
-    codes = jobs.wait([proc], 120)
+    codes = jobs.wait([proc], 240)
     elapsed = time.monotonic() - start
     text = jobs.logs(tmp_path)
-    assert codes[0] not in (None, 0), text
-    assert elapsed < 90, elapsed
+    assert codes[0] not in (None, 0), (elapsed, text)
+    assert elapsed < 120, elapsed  # 10 s timeout + two Python/Lightning start-ups on a loaded 2-core box
     assert "rendezvous did not complete within `timeout=0:00:10`" in text and "torchrun --nnodes 2" in text, text
