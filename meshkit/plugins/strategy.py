@@ -46,10 +46,10 @@ from typing_extensions import override
 from meshkit.plugins import checkpointing as _ckpt
 from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins import fsdp as _fsdp
-from meshkit.plugins._pp_lightning import PipelineHooks
 from meshkit.plugins.activation_checkpoint import ACMode
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.parallelize import ParallelConfig, parallelize
+from meshkit.plugins.pipeline.lightning import PipelineHooks
 from meshkit.plugins.presets import PRESETS, Size, check_launch, resolve_layout
 from meshkit.plugins.tensor_parallel import PlanEntry
 
@@ -77,9 +77,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
         cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
         fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
-            (:func:`meshkit.kernels.apply_fused_kernels`) before parallelizing.
+            (:func:`meshkit.integrations.apply_fused_kernels`) before parallelizing.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
-            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
+            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins.pipeline.lightning`.
 
     Example::
 
@@ -142,7 +142,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self.parallel_config = config
         """Every setting of the automatic path; ``precision`` is filled in ``setup_environment``."""
         self._parallel_dims: Optional[ParallelDims] = None
-        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
+        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins.pipeline.lightning).
         self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
