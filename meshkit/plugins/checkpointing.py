@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -458,12 +457,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: Any) -> int:
-    """``meshkit consolidate``: exit 2 with ``meshkit consolidate: error: ...`` on stderr for a bad checkpoint."""
-    try:
-        weights = consolidate_checkpoint(args.checkpoint, args.output, strip_prefix=args.strip_prefix)
-    except (ValueError, CheckpointError, OSError) as e:
-        print(f"meshkit consolidate: error: {e}", file=sys.stderr)
-        return 2
+    """``meshkit consolidate``; a bad checkpoint raises CheckpointError (a ValueError): cli.py prints it, exit 2."""
+    weights = consolidate_checkpoint(args.checkpoint, args.output, strip_prefix=args.strip_prefix)
     numel = sum(t.numel() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({numel:,} elements) to {args.output}")
     return 0

@@ -30,8 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 __all__ = ["CheckpointError", "UnsafeCheckpointError", "MetadataUnpickler", "SafeReader", "safe_load_planner", "read_metadata", "read_all", "dcp_errors"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, corrupt, unsafe, or does not fit the model."""
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete, corrupt, unsafe, or does not fit the model (a bad input: ``meshkit`` verbs
+    print it on one line and exit 2)."""
 
 
 class UnsafeCheckpointError(CheckpointError):
