@@ -171,6 +171,7 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) ->
     if not strategy._save_distributed_checkpoint:
         if rank == 0:
             _repair(path)
+            _remove(partial)  # a stale one, file or folder
             _write_synced(partial, lambda f: torch.save(checkpoint, f))
             _remove(old)
             if path.is_dir():  # a sharded checkpoint of the same name
