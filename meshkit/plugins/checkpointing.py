@@ -191,7 +191,8 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) ->
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not dist.is_initialized())
     _at("shards_written", path)
-    mine = {f.name: {"rank": rank, "bytes": f.stat().st_size, HASH: _crc32(f)} for f in sorted(partial.glob(f"__{rank}_*"))}
+    own = sorted(partial.glob(f"__{rank}_*"))  # DCP names a rank's shard files __RANK_i.distcp
+    mine = {f.name: {"rank": rank, "bytes": f.stat().st_size, HASH: _crc32(f)} for f in own}
     gathered: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size()
@@ -331,7 +332,7 @@ def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dic
     path = Path(path)
     verify_checkpoint(path, rank=strategy.global_rank, world_size=strategy.world_size)
     if not (path / MANIFEST).is_file() and strategy.global_rank == 0:
-        log.warning(f"meshkit: checkpoint `{path}` has no `{MANIFEST}` (saved by an older meshkit): loading unverified.")
+        log.warning(f"meshkit: checkpoint `{path}` has no `{MANIFEST}` (an older meshkit saved it): loading unverified.")
     module = strategy.model
     strict = strategy.lightning_module.strict_loading
     model_state = {"state_dict": get_model_state_dict(module)}
@@ -379,7 +380,7 @@ def _check_full_file(path: Path) -> None:
 def load_checkpoint(
     strategy: Any, checkpoint_path: Any, weights_only: Optional[bool], fallback: Callable[..., dict[str, Any]]
 ) -> dict[str, Any]:
-    """The strategy's ``load_checkpoint``: a folder through :func:`load_sharded_checkpoint`, a file through ``fallback``.
+    """The strategy's ``load_checkpoint``: a folder via :func:`load_sharded_checkpoint`, a file via ``fallback``.
 
     ``weights_only`` defaults to True: never unpickle arbitrary objects from a checkpoint's metadata.
     A crash in the middle of a publish is repaired first (rank 0), so ``NAME`` is the newest complete copy.
@@ -401,7 +402,7 @@ def load_checkpoint(
     return fallback(path, weights_only=weights_only)
 
 def optimizer_state(strategy: Any, optimizer: Any, fallback: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """The strategy's ``optimizer_state``: FQN-keyed under DCP (pipeline stages' states do not collide), else ``fallback``.
+    """The strategy's ``optimizer_state``: FQN-keyed under DCP (pipeline stages' states never collide), else ``fallback``.
 
     Example::
 

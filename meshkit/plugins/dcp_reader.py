@@ -27,7 +27,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "MetadataUnpickler", "SafeReader", "safe_load_planner", "read_metadata", "read_all", "dcp_errors"]
+__all__ = [
+    "CheckpointError", "UnsafeCheckpointError", "MetadataUnpickler", "SafeReader", "safe_load_planner",
+    "read_metadata", "read_all", "dcp_errors",
+]
 
 
 class CheckpointError(ValueError):
@@ -151,7 +154,8 @@ def read_all(path: Any) -> dict[str, Any]:
 
     read_metadata(path)  # a refused pickle raises here, not wrapped in DCP's CheckpointException
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=SafeReader(path), planner=safe_load_planner(from_metadata=True), no_dist=True)
+    planner = safe_load_planner(from_metadata=True)
+    _load_state_dict(state, storage_reader=SafeReader(path), planner=planner, no_dist=True)
     return state
 
 

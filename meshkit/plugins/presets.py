@@ -276,7 +276,9 @@ def _auto_cp(preset: Preset, room: int) -> int:
     return room
 
 
-def check_launch(devices: int, num_nodes: int, environ: Mapping[str, str], initialized_world: int | None = None) -> None:
+def check_launch(
+    devices: int, num_nodes: int, environ: Mapping[str, str], initialized_world: int | None = None
+) -> None:
     """Raise if the launcher started another job than the Trainer describes (before any collective).
 
     ``environ`` is what torchrun / SLURM / Lightning's launcher set (``WORLD_SIZE``, ``RANK``,
@@ -292,7 +294,8 @@ def check_launch(devices: int, num_nodes: int, environ: Mapping[str, str], initi
     want = devices * num_nodes
     fix = (
         f"Make the Trainer's `devices` (per node) × `num_nodes` equal the processes you launch: e.g. "
-        f"`torchrun --nnodes {num_nodes} --nproc-per-node {devices}`, or Trainer(devices=N, num_nodes=M) for N×M processes."
+        f"`torchrun --nnodes {num_nodes} --nproc-per-node {devices}`, or Trainer(devices=N, num_nodes=M) "
+        "for N×M processes."
     )
     ints = {k: environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK") if k in environ}
     for key, value in ints.items():

@@ -338,7 +338,7 @@ class NDParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
-        """Atomic and hashed: a crash mid-save leaves the previous checkpoint (see :mod:`meshkit.plugins.checkpointing`)."""
+        """Atomic and hashed: a crash mid-save leaves the previous one (see :mod:`meshkit.plugins.checkpointing`)."""
         if storage_options is not None:
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: "
