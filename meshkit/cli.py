@@ -66,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"meshkit {verb}", description=help_)
     module.configure_parser(parser)
-    return int(module.run_cli(parser.parse_args(rest)) or 0)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run_cli(args) or 0)
+    except (ValueError, OSError) as e:  # a user's input (bad argument, file, checkpoint): one line, exit 2
+        print(f"meshkit {verb}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

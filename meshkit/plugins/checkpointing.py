@@ -1,12 +1,28 @@
-"""Checkpoints for every layout: DCP save / load with FQN-keyed optimizer states, and consolidation.
+"""Checkpoints for every layout: atomic, verified DCP saves, safe and strict loads, and consolidation.
 
 The strategy saves through DCP (one shard file per rank plus ``meta.pt``); DCP reshards on load,
 so a checkpoint saved at one layout resumes at another. Optimizer states are flattened and keyed
 by parameter FQN (:func:`flat_optimizer_state`), so ranks holding different pipeline stages save
 disjoint keys and a checkpoint saved at one pp size loads at another (torchtitan does the same).
-:func:`load_checkpoint` and :func:`optimizer_state` are the strategy's overrides, as plain functions.
-For export, ``consolidate_checkpoint`` (or ``meshkit consolidate CKPT_DIR OUT.pt``) writes the
-model's full tensors, keyed by parameter name, to a file ``torch.load(..., weights_only=True)``
+
+A save never leaves a half-written checkpoint under its name (:func:`save_checkpoint`):
+
+1. every rank writes its shard into a temporary sibling ``.NAME.partial`` (DCP fsyncs each file);
+2. each rank hashes its own files (CRC-32, :data:`HASH`) and rank 0 gathers the hashes;
+3. rank 0 writes ``meta.pt`` and then the manifest ``meshkit.json`` (:data:`MANIFEST`: every file
+   with its writer rank, size and hash), fsynced: the manifest is the commit marker, written last;
+4. rank 0 publishes: the old ``NAME`` (if any) is renamed to ``.NAME.old``, ``.NAME.partial`` to
+   ``NAME``, then ``.NAME.old`` is removed. A crash between the renames is repaired on the next
+   load or save (the newest complete copy wins), so ``NAME`` (``last.ckpt`` too) always names a
+   complete checkpoint.
+
+A load (:func:`load_checkpoint`) checks the manifest and every hash (the files split over the
+ranks), reads ``.metadata`` and non-tensor entries without running code
+(:mod:`meshkit.plugins.dcp_reader`), and compares keys and shapes with the model before any weight
+is touched. Every failure is one :class:`CheckpointError` on every rank naming the file, its rank
+and the reason. ``LightningModule.strict_loading = False`` admits missing and unexpected keys
+(never a shape mismatch). For export, ``consolidate_checkpoint`` (or ``meshkit consolidate
+CKPT_DIR OUT.pt``) writes the model's full tensors to a file ``torch.load(..., weights_only=True)``
 reads. It needs no process group.
 
 Example::
@@ -18,16 +34,35 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
-import tempfile
+import shutil
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from meshkit.plugins.dcp_reader import (
+    CheckpointError,
+    SafeReader,
+    UnsafeCheckpointError,
+    dcp_errors,
+    read_all,
+    read_metadata,
+    safe_load_planner,
+)
+
 __all__ = [
+    "CheckpointError",
+    "MANIFEST",
+    "HASH",
     "flat_optimizer_state",
+    "save_checkpoint",
+    "verify_checkpoint",
+    "check_fits",
     "load_sharded_checkpoint",
     "load_checkpoint",
     "optimizer_state",
@@ -35,6 +70,16 @@ __all__ = [
     "configure_parser",
     "run_cli",
 ]
+
+MANIFEST = "meshkit.json"
+"""The manifest (commit marker) of a meshkit checkpoint folder: written last, after every shard."""
+HASH = "crc32"
+"""The per-file checksum: zlib CRC-32 (about 1 GB/s on one core; catches flipped bytes and truncation,
+not a forger: the restricted reader covers crafted files)."""
+_META = "meta.pt"  # Lightning's _METADATA_FILENAME: trainer state beside the DCP shards
+_FORMAT = "meshkit-dcp/1"
+log = logging.getLogger(__name__)
+_fault_hook: Optional[Callable[[str, Path], None]] = None  # tests: (phase, path) at each save phase
 
 
 def flat_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
@@ -47,51 +92,317 @@ def flat_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return get_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), options=opts)
 
 
+# ---- files --------------------------------------------------------------------------------------
+def _crc32(file: Path) -> str:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(file: Path, write: Callable[[Any], None]) -> None:
+    with open(file, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    """``(.NAME.partial, .NAME.old)``: where a save is written, and where the previous one waits during publish."""
+    return path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.old")
+
+
+def _is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def _repair(path: Path) -> None:
+    """Rank 0: finish a publish a crash interrupted between its two renames (the newest complete copy wins)."""
+    partial, old = _siblings(path)
+    if not path.exists() and not path.is_symlink():
+        for candidate in (partial, old):
+            if _is_complete(candidate) or (candidate is old and candidate.exists()):
+                os.rename(candidate, path)
+                _fsync_dir(path.parent)
+                break
+    if old.exists() and path.exists():
+        _remove(old)
+
+
+def _at(phase: str, path: Path) -> None:
+    if _fault_hook is not None:
+        _fault_hook(phase, path)
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+    """The strategy's ``save_checkpoint``: an atomic, hashed DCP folder (steps in the module docstring).
+
+    Without ``save_distributed_checkpoint`` rank 0 writes the one consolidated file to ``.NAME.partial``,
+    fsyncs it and renames it over ``NAME``. Save phases, for fault tests: ``partial_created``,
+    ``shards_written``, ``meta_written``, ``manifest_written``, ``old_moved``, ``published``.
+
+    Example::
+
+        >>> save_checkpoint(strategy, trainer._checkpoint_connector.dump_checkpoint(), "last.ckpt")  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(strategy.broadcast(filepath))
+    partial, old = _siblings(path)
+    rank = strategy.global_rank
+    if not strategy._save_distributed_checkpoint:
+        if rank == 0:
+            _repair(path)
+            _remove(partial)  # a stale one, file or folder
+            _write_synced(partial, lambda f: torch.save(checkpoint, f))
+            _remove(old)
+            if path.is_dir():  # a sharded checkpoint of the same name
+                os.rename(path, old)
+            os.replace(partial, path)
+            _fsync_dir(path.parent)
+            _remove(old)
+        strategy.barrier()
+        return
+    if rank == 0:
+        _repair(path)
+        _remove(partial)
+        partial.mkdir(parents=True)
+    strategy.barrier()
+    _at("partial_created", path)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not dist.is_initialized())
+    _at("shards_written", path)
+    own = sorted(partial.glob(f"__{rank}_*"))  # DCP names a rank's shard files __RANK_i.distcp
+    mine = {f.name: {"rank": rank, "bytes": f.stat().st_size, HASH: _crc32(f)} for f in own}
+    gathered: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        _write_synced(partial / _META, lambda f: torch.save(checkpoint, f))
+        _at("meta_written", path)
+        files = {name: entry for part in gathered for name, entry in part.items()}
+        for name in (".metadata", _META):
+            files[name] = {"rank": 0, "bytes": (partial / name).stat().st_size, HASH: _crc32(partial / name)}
+        manifest = {"format": _FORMAT, "hash": HASH, "world_size": len(gathered), "files": files}
+        _write_synced(partial / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1, sort_keys=True).encode()))
+        _fsync_dir(partial)
+        _at("manifest_written", path)
+        if path.exists() or path.is_symlink():
+            os.rename(path, old)
+        _at("old_moved", path)
+        os.rename(partial, path)
+        _fsync_dir(path.parent)
+        _at("published", path)
+        _remove(old)
+    strategy.barrier()
+
+
+# ---- verify -------------------------------------------------------------------------------------
+def _problems(path: Path, rank: int = 0, world: int = 1) -> list[str]:
+    """What is wrong with the checkpoint folder ``path``; this rank checks every ``world``-th file."""
+    if not (path / MANIFEST).is_file():
+        missing = [n for n in (".metadata", _META) if not (path / n).is_file()]
+        if missing:
+            return [
+                f"it has no `{MANIFEST}` and no {missing}: a save was interrupted or this is not a checkpoint folder"
+            ]
+        return []  # saved before manifests existed: loads unverified (load_checkpoint warns)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files, kind = manifest["files"], manifest["hash"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"`{MANIFEST}` is unreadable ({type(e).__name__}: {e})"]
+    if kind != HASH:
+        return [f"`{MANIFEST}` uses hash `{kind}`; this meshkit checks `{HASH}`"]
+    out = []
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
+        file, writer = path / name, f"written by rank {entry['rank']}"
+        if not file.is_file():
+            out.append(f"`{name}` ({writer}) is missing")
+        elif file.stat().st_size != entry["bytes"]:
+            out.append(f"`{name}` ({writer}) has {file.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        elif (got := _crc32(file)) != entry[HASH]:
+            out.append(f"`{name}` ({writer}) fails its {HASH} check: {got}, the manifest says {entry[HASH]}")
+    return out
+
+
+def verify_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int = 1) -> None:
+    """Raise :class:`CheckpointError` if the checkpoint folder ``path`` is incomplete or any file fails its hash.
+
+    With a process group every rank checks its share of the files and every rank raises the same error.
+
+    Example::
+
+        >>> verify_checkpoint("ckpts/last.ckpt")  # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    path = Path(path)
+    problems = _problems(path, rank, world_size) if path.is_dir() else [f"it is not a folder"]
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, problems)
+        problems = [p for part in gathered for p in part]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint `{path}` is not usable: " + "; ".join(problems[:5]) + more
+            + ". Resume from an earlier checkpoint or retrain; do not edit checkpoint files by hand."
+        )
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def check_fits(model_state: dict[str, Any], checkpoint_dir: str | os.PathLike, *, strict: bool = True) -> None:
+    """Raise :class:`CheckpointError` naming the first keys if the checkpoint's model entries do not fit
+    ``model_state`` (``{fqn: tensor}``): shape mismatches always, missing / unexpected keys if ``strict``.
+
+    Reads only the (safe) DCP metadata: no weight is touched.
+
+    Example::
+
+        >>> check_fits(get_model_state_dict(module), "ckpts/last.ckpt")  # doctest: +SKIP
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(checkpoint_dir)
+    metadata = read_metadata(path)
+    saved = {
+        k[len("state_dict."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("state_dict.")
+    }
+    missing = [k for k in model_state if k not in saved]
+    unexpected = [k for k in saved if k not in model_state]
+    shapes = [
+        f"`{k}`: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
+        for k, v in model_state.items()
+        if k in saved and isinstance(saved[k], TensorStorageMetadata) and isinstance(v, torch.Tensor)
+        and tuple(saved[k].size) != tuple(v.shape)
+    ]
+    reasons = []
+    if shapes:
+        reasons.append(f"{len(shapes)} shape mismatch(es): " + "; ".join(shapes[:3]))
+    if strict and missing:
+        reasons.append(f"{len(missing)} key(s) missing from the checkpoint: {missing[:3]}")
+    if strict and unexpected:
+        reasons.append(f"{len(unexpected)} unexpected key(s) in the checkpoint: {unexpected[:3]}")
+    if reasons:
+        hint = "" if shapes else " Or set `LightningModule.strict_loading = False` to load the common keys."
+        raise CheckpointError(
+            f"checkpoint `{path}` does not fit the model: " + "; ".join(reasons)
+            + ". Build the model with the configuration the checkpoint was saved with." + hint
+        )
+
+
+def _dcp_load(state: dict[str, Any], path: Path, strict: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with dcp_errors(path):
+        dcp.load(state, storage_reader=SafeReader(path), planner=safe_load_planner(allow_partial_load=not strict))
+
+
 def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dict[str, Any]:
-    """Lightning's sharded-checkpoint load with flattened optimizer states (see :func:`flat_optimizer_state`)."""
-    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+    """Verify, check keys, then load a meshkit DCP folder: model, FQN-keyed optimizer states, ``meta.pt``."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    path = Path(strategy.broadcast(path))
+    path = Path(path)
+    verify_checkpoint(path, rank=strategy.global_rank, world_size=strategy.world_size)
+    if not (path / MANIFEST).is_file() and strategy.global_rank == 0:
+        log.warning(f"meshkit: checkpoint `{path}` has no `{MANIFEST}` (an older meshkit saved it): loading unverified.")
     module = strategy.model
+    strict = strategy.lightning_module.strict_loading
     model_state = {"state_dict": get_model_state_dict(module)}
-    _distributed_checkpoint_load(model_state, path)
-    module.load_state_dict(model_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    check_fits(model_state["state_dict"], path, strict=strict)
+    _dcp_load(model_state, path, strict)
+    module.load_state_dict(model_state["state_dict"], strict=strict)
     opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
     for idx, optimizer in enumerate(strategy.optimizers):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         optim_state = {f"optimizer_{idx}": flat_optimizer_state(module, optimizer)}
-        _distributed_checkpoint_load(optim_state, path)
+        _dcp_load(optim_state, path, strict)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[f"optimizer_{idx}"], options=opts)
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+    return _load_meta(path / _META, weights_only)
+
+
+def _load_meta(file: Path, weights_only: bool) -> dict[str, Any]:
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as e:
+        raise UnsafeCheckpointError(
+            f"`{file}` holds an object outside torch's weights_only allowlist ({e}). If you wrote this checkpoint "
+            "yourself and trust it, pass `weights_only=False` to `trainer.fit(..., weights_only=False)`."
+        ) from None
+
+
+def _check_full_file(path: Path) -> None:
+    """A single-file ``ckpt_path`` must be a Lightning checkpoint (a dict with ``state_dict``), not bare weights."""
+    import pickle
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint `{path}` is not a readable torch file ({type(e).__name__}: {e}).") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("state_dict"), dict):
+        what = f"a dict with keys {sorted(map(str, obj))[:5]}" if isinstance(obj, dict) else f"a {type(obj).__name__}"
+        raise CheckpointError(
+            f"`ckpt_path={str(path)!r}` is {what}, not a Lightning checkpoint (no `state_dict` entry). Pass a folder "
+            "or file `trainer.save_checkpoint` wrote; to start from exported weights, load them into the model "
+            "before `fit` (`model.load_state_dict(torch.load(path))`) and pass no ckpt_path."
+        )
 
 
 def load_checkpoint(
     strategy: Any, checkpoint_path: Any, weights_only: Optional[bool], fallback: Callable[..., dict[str, Any]]
 ) -> dict[str, Any]:
-    """The strategy's ``load_checkpoint``: a DCP folder through :func:`load_sharded_checkpoint`, else ``fallback``.
+    """The strategy's ``load_checkpoint``: a folder via :func:`load_sharded_checkpoint`, a file via ``fallback``.
 
     ``weights_only`` defaults to True: never unpickle arbitrary objects from a checkpoint's metadata.
+    A crash in the middle of a publish is repaired first (rank 0), so ``NAME`` is the newest complete copy.
 
     Example::
 
         >>> load_checkpoint(strategy, "ckpts/last.ckpt", None, super_load)  # doctest: +SKIP
     """
-    from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
-
     weights_only = True if weights_only is None else weights_only
-    if strategy._save_distributed_checkpoint and _is_sharded_checkpoint(Path(strategy.broadcast(checkpoint_path))):
-        # optimizer states keyed by parameter FQN: loads at any pp / layout
-        return load_sharded_checkpoint(strategy, checkpoint_path, weights_only)
-    return fallback(checkpoint_path, weights_only=weights_only)
-
+    path = Path(strategy.broadcast(checkpoint_path))
+    if strategy.global_rank == 0:
+        _repair(path)
+    strategy.barrier()
+    if path.is_dir():  # optimizer states keyed by parameter FQN: loads at any pp / layout
+        return load_sharded_checkpoint(strategy, path, weights_only)
+    if not path.is_file():
+        raise CheckpointError(f"`ckpt_path={str(checkpoint_path)!r}` does not exist. Pass an existing checkpoint.")
+    _check_full_file(path)
+    return fallback(path, weights_only=weights_only)
 
 def optimizer_state(strategy: Any, optimizer: Any, fallback: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """The strategy's ``optimizer_state``: FQN-keyed under DCP (pipeline stages' states do not collide), else ``fallback``.
+    """The strategy's ``optimizer_state``: FQN-keyed under DCP (pipeline stages' states never collide), else ``fallback``.
 
     Example::
 
@@ -107,21 +418,24 @@ def consolidate_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """Read a sharded checkpoint's model weights into one ``{name: tensor}`` dict; save it if ``output``.
 
+    The folder is verified against its manifest and read without unpickling code (as on resume).
     ``strip_prefix`` removes a leading module name (``"model."`` for a LightningModule whose network
     lives in ``self.model``) so the file loads straight into the bare network.
-    """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    Example::
+
+        >>> weights = consolidate_checkpoint("ckpts/last.ckpt", strip_prefix="model.")  # doctest: +SKIP
+    """
     path = Path(checkpoint_dir)
     if not (path / ".metadata").is_file():
+        why = "does not exist" if not path.exists() else "has no `.metadata` file"
         raise ValueError(
-            f"consolidate_checkpoint: `{path}` is not a sharded (DCP) checkpoint folder: it has no `.metadata` file. "
+            f"consolidate_checkpoint: `{path}` is not a sharded (DCP) checkpoint folder: it {why}. "
             "Pass the folder `trainer.save_checkpoint` or ModelCheckpoint wrote."
         )
-    with tempfile.TemporaryDirectory() as tmp:
-        full = Path(tmp) / "full.pt"
-        dcp_to_torch_save(path, full)
-        state = torch.load(full, map_location="cpu", weights_only=True)
+    verify_checkpoint(path)
+    with dcp_errors(path):
+        state = read_all(path)
     model_state = state.get("state_dict")
     if not isinstance(model_state, dict):
         raise ValueError(f"consolidate_checkpoint: `{path}` holds no `state_dict` entry; keys: {sorted(state)}.")
@@ -131,7 +445,10 @@ def consolidate_checkpoint(
         if isinstance(v, torch.Tensor)
     }
     if output is not None:
-        torch.save(weights, output)
+        out = Path(output)
+        partial = out.with_name(f".{out.name}.partial")
+        _write_synced(partial, lambda f: torch.save(weights, f))
+        os.replace(partial, out)
     return weights
 
 
@@ -142,6 +459,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: Any) -> int:
+    """``meshkit consolidate``; a bad checkpoint raises CheckpointError (a ValueError): cli.py prints it, exit 2."""
     weights = consolidate_checkpoint(args.checkpoint, args.output, strip_prefix=args.strip_prefix)
     numel = sum(t.numel() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({numel:,} elements) to {args.output}")

@@ -22,9 +22,11 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "AXES", "Degree"]
@@ -148,20 +150,27 @@ class ParallelDims:
             )
 
     # ---- the mesh -----------------------------------------------------------------------------
-    def build_mesh(self, device_type: str) -> "DeviceMesh":
-        """Build (once) the DeviceMesh over all ranks with every axis named, plus the flattened axes."""
+    def build_mesh(self, device_type: str, timeout: "timedelta | None" = None) -> "DeviceMesh":
+        """Build (once) the DeviceMesh over all ranks with every axis named, plus the flattened axes.
+
+        ``timeout`` reaches every sub-group the mesh creates (torch gives them its 30 min default
+        otherwise, whatever the default group's timeout): a collective that waits on a frozen or dead
+        rank fails after ``timeout`` on every axis.
+        """
         if self._mesh is not None:
             return self._mesh
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = tuple(getattr(self, a) for a in self.order)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=self.order)
+        backend = _backend_with_timeout(timeout)
+        override = {a: backend for a in self.order} if backend is not None else None
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=self.order, backend_override=override)
         # Flattened axes, kept here rather than sliced from the root again (torch deprecates that).
         # DeviceMesh._flatten is private; checked on torch 2.6-2.13.
         self._flat = {
-            "dp": mesh[("dp_replicate", "dp_shard")]._flatten("dp"),
-            "dp_shard_cp": mesh[("dp_shard", "cp")]._flatten("dp_shard_cp"),
-            "dp_cp": mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp"),
+            "dp": mesh[("dp_replicate", "dp_shard")]._flatten("dp", backend_override=backend),
+            "dp_shard_cp": mesh[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=backend),
+            "dp_cp": mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp", backend_override=backend),
         }
         self._mesh = mesh
         return mesh
@@ -193,3 +202,20 @@ class ParallelDims:
             warnings.simplefilter("ignore", UserWarning)
             return mesh[("dp_replicate", "dp_shard_cp")]
 
+
+
+def _backend_with_timeout(timeout: "timedelta | None") -> "tuple[str, Any] | None":
+    """``(backend, options)`` carrying ``timeout`` for DeviceMesh's ``backend_override`` (gloo or nccl), else None."""
+    if timeout is None:
+        return None
+    import torch.distributed as dist
+
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:  # e.g. "cpu:gloo,cuda:nccl": torch applies its default timeout to sub-groups
+        return None
+    options._timeout = timeout
+    return backend, options

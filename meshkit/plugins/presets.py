@@ -17,20 +17,20 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Union
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from meshkit.plugins.context_parallel import check_cp_heads
 from meshkit.plugins.dims import ParallelDims
-from meshkit.plugins.fsdp import mixed_precision_policy
-from meshkit.plugins.tensor_parallel import model_shape
+from meshkit.plugins.fsdp import find_blocks, mixed_precision_policy
+from meshkit.plugins.tensor_parallel import _style, model_shape
 
 if TYPE_CHECKING:
     from meshkit.plugins.parallelize import ParallelConfig
 
-__all__ = ["Preset", "PRESETS", "Size", "resolve_dims", "resolve_layout", "auto_tp"]
+__all__ = ["Preset", "PRESETS", "Size", "resolve_dims", "resolve_layout", "auto_tp", "check_launch"]
 
 Size = Union[int, Literal["auto"]]
 
@@ -133,7 +133,29 @@ def resolve_dims(
             f"NDParallelStrategy: `tp={dims.tp}` is larger than the {per_node} devices of a node, so tensor-parallel "
             "traffic crosses the slow inter-node link. Use tp <= devices per node and put pp or dp across nodes."
         )
+    elif num_nodes > 1 and _tp_straddles(dims, per_node):
+        rank_zero_warn(
+            f"NDParallelStrategy: with `order={dims.order}` and {per_node} devices per node some tp groups of "
+            f"`tp={dims.tp}` span two nodes, so tensor-parallel traffic crosses the slow inter-node link. "
+            "Put tp innermost in `order` and use a tp that divides the devices per node."
+        )
+    if preset.tp and sizes["tp"] == "auto" and dims.tp == 1 and per_node > 1:
+        rank_zero_warn(
+            f"NDParallelStrategy: preset `{preset.name}` turns tensor parallelism on, but no tp in 2..{per_node} "
+            f"divides the {per_node} devices per node and the model's heads={heads}, kv_heads={kv_heads}, "
+            f"hidden={hidden}, so tp=1 (no tensor parallelism). Use a device count per node that is a multiple "
+            "of 2 (e.g. devices=2 or 4), pass `tp=` explicitly, or choose a preset without tp."
+        )
     return dims
+
+
+def _tp_straddles(dims: ParallelDims, per_node: int) -> bool:
+    """True if some tp group holds ranks of two nodes (ranks laid out in ``dims.order``, node = rank // per_node)."""
+    import torch
+
+    grid = torch.arange(dims.world_size).reshape([getattr(dims, a) for a in dims.order])
+    groups = grid.movedim(dims.order.index("tp"), -1).reshape(-1, dims.tp) // per_node
+    return bool((groups != groups[:, :1]).any())
 
 
 def resolve_layout(
@@ -162,6 +184,7 @@ def resolve_layout(
         ValueError: NDParallelStrategy: `pp=2` with `cp=2` is not supported yet: ...
     """
     mixed_precision_policy(config.precision)  # raises for unsupported precision
+    _check_batch_size(config.global_batch_size)
     if preset.planner and planner is not None and all(v == "auto" for v in sizes.values()):
         dims = planner()
     else:
@@ -177,7 +200,62 @@ def resolve_layout(
         heads, kv_heads, _ = model_shape(model)
         if heads is not None:
             check_cp_heads(heads, kv_heads, dims.tp, dims.cp, config.cp_attention, owner="NDParallelStrategy")
+    if model is not None and not _has_configure_model(model):  # the automatic path will parallelize it
+        _check_tp_plan(model, config.tp_plan, dims)
+        if dims.fsdp_enabled and not find_blocks(model):
+            rank_zero_warn(
+                f"NDParallelStrategy: {type(model).__name__} has no repeated blocks (no ModuleList / ModuleDict of "
+                "one class), so FSDP2 shards it as one unit: every rank gathers all parameters at once and the "
+                "peak memory is the unsharded model's. Keep the layers in an `nn.ModuleList`, or write a "
+                "`configure_model` that calls `fully_shard` per block."
+            )
     return dims
+
+
+def _check_batch_size(global_batch_size: object) -> None:
+    if global_batch_size is None:
+        return
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(
+            f"NDParallelStrategy: `global_batch_size={global_batch_size!r}` must be a positive int (sequences per "
+            "optimizer step over all data-parallel ranks), or None to skip the check."
+        )
+
+
+def _has_configure_model(model: nn.Module) -> bool:
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(model, LightningModule) and is_overridden("configure_model", model)
+
+
+def _check_tp_plan(model: nn.Module, tp_plan: dict | None, dims: ParallelDims) -> None:
+    """Every ``tp_plan`` pattern must match a module; a plan with tp=1 is unused."""
+    import fnmatch
+
+    if tp_plan is None:
+        return
+    if not isinstance(tp_plan, dict) or not all(isinstance(p, str) for p in tp_plan):
+        raise ValueError(
+            f"NDParallelStrategy: `tp_plan={tp_plan!r}` must be a dict {{fnmatch pattern: 'colwise' | 'rowwise' | "
+            "'replicate' | ParallelStyle}}."
+        )
+    for pattern, entry in tp_plan.items():
+        _style(entry, pattern)  # raises for an unknown style
+    if not tp_plan:
+        return
+    if not dims.tp_enabled:
+        rank_zero_warn(f"NDParallelStrategy: `tp_plan` is given but `tp={dims.tp}`: the plan is not used.")
+        return
+    names = [n for n, _ in model.named_modules() if n]
+    dead = [p for p in tp_plan if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if dead:
+        linears = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))][:4]
+        raise ValueError(
+            f"NDParallelStrategy: `tp_plan` pattern(s) {dead} match no module of {type(model).__name__}. Patterns "
+            f"are fnmatch patterns over full module names, e.g. {linears}; use '*' for the layer index "
+            "(`'model.layers.*.attention.wq'`)."
+        )
 
 
 def auto_tp(devices_per_node: int, heads: int | None, kv_heads: int | None, hidden: int | None, cap: int) -> int:
@@ -196,3 +274,54 @@ def _auto_cp(preset: Preset, room: int) -> int:
     if preset.tp:
         return 2 if room % 2 == 0 and room > 1 else 1
     return room
+
+
+def check_launch(
+    devices: int, num_nodes: int, environ: Mapping[str, str], initialized_world: int | None = None
+) -> None:
+    """Raise if the launcher started another job than the Trainer describes (before any collective).
+
+    ``environ`` is what torchrun / SLURM / Lightning's launcher set (``WORLD_SIZE``, ``RANK``,
+    ``LOCAL_RANK``, ``NODE_RANK``); ``initialized_world`` the size of an existing process group.
+
+    Example::
+
+        >>> check_launch(2, 1, {"WORLD_SIZE": "4"})
+        Traceback (most recent call last):
+        ...
+        ValueError: NDParallelStrategy: the launcher started `WORLD_SIZE=4` processes but the Trainer ...
+    """
+    want = devices * num_nodes
+    fix = (
+        f"Make the Trainer's `devices` (per node) × `num_nodes` equal the processes you launch: e.g. "
+        f"`torchrun --nnodes {num_nodes} --nproc-per-node {devices}`, or Trainer(devices=N, num_nodes=M) "
+        "for N×M processes."
+    )
+    ints = {k: environ[k] for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK") if k in environ}
+    for key, value in ints.items():
+        if not value.isdigit():
+            raise ValueError(f"NDParallelStrategy: the launcher set `{key}={value!r}`, which is not a rank count.")
+    world = int(ints["WORLD_SIZE"]) if "WORLD_SIZE" in ints else initialized_world
+    if world is not None and world != want:
+        raise ValueError(
+            f"NDParallelStrategy: the launcher started `WORLD_SIZE={world}` processes but the Trainer has "
+            f"`devices={devices}` × `num_nodes={num_nodes}` = {want}. {fix}"
+        )
+    if "LOCAL_RANK" in ints and int(ints["LOCAL_RANK"]) >= devices:
+        raise ValueError(
+            f"NDParallelStrategy: this process has `LOCAL_RANK={ints['LOCAL_RANK']}` but the Trainer has "
+            f"`devices={devices}` per node: more processes run on this node than the Trainer expects. {fix}"
+        )
+    if "NODE_RANK" in ints and int(ints["NODE_RANK"]) >= num_nodes:
+        raise ValueError(
+            f"NDParallelStrategy: this process has `NODE_RANK={ints['NODE_RANK']}` but the Trainer has "
+            f"`num_nodes={num_nodes}`. {fix}"
+        )
+    if {"RANK", "LOCAL_RANK", "NODE_RANK"} <= set(ints):
+        derived = int(ints["NODE_RANK"]) * devices + int(ints["LOCAL_RANK"])
+        if derived != int(ints["RANK"]):
+            raise ValueError(
+                f"NDParallelStrategy: the launcher's `RANK={ints['RANK']}` is not `NODE_RANK={ints['NODE_RANK']}` × "
+                f"`devices={devices}` + `LOCAL_RANK={ints['LOCAL_RANK']}` = {derived}: the nodes run different "
+                f"numbers of processes than `devices`. {fix}"
+            )

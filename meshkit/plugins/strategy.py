@@ -24,6 +24,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Generator, Optional, Union
 
@@ -46,7 +50,7 @@ from meshkit.plugins.activation_checkpoint import ACMode
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.parallelize import ParallelConfig, parallelize
 from meshkit.plugins.pipeline.lightning import PipelineHooks
-from meshkit.plugins.presets import PRESETS, Size, resolve_layout
+from meshkit.plugins.presets import PRESETS, Size, check_launch, resolve_layout
 from meshkit.plugins.tensor_parallel import PlanEntry
 
 __all__ = ["NDParallelStrategy", "register_presets"]
@@ -175,9 +179,26 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        # Launcher vs Trainer, then the layout: every check before the first collective, on every rank.
+        external = self.cluster_environment.creates_processes_externally
+        initialized = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+        check_launch(self.num_processes, self.num_nodes, os.environ if external else {}, initialized)
         dims = self._resolve()
-        self._setup_distributed()
-        dims.build_mesh(self.root_device.type)
+        _exit_with_launcher(self.cluster_environment)
+        try:
+            self._setup_distributed()
+        except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
+            if not _is_timeout(e):
+                raise
+            world = self.num_nodes * self.num_processes
+            raise RuntimeError(
+                f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
+                f"{world} processes (`devices={self.num_processes}` × `num_nodes={self.num_nodes}`) were expected at "
+                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, and not all arrived ({e}). Start "
+                f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
+                f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
+            ) from e
+        dims.build_mesh(self.root_device.type, timeout=self._timeout)  # every sub-group gets `timeout=`
         self._parallel_dims = dims
         self._device_mesh = dims.mesh
         assert self.lightning_module is not None
@@ -304,7 +325,27 @@ class NDParallelStrategy(ModelParallelStrategy):
         loss = loss + (mean - loss.detach())
         return {**output, "loss": loss} if isinstance(output, dict) else loss
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A collective that timed out gets a note naming the collective, the group and its ranks."""
+        built = self._parallel_dims is not None and self._parallel_dims._mesh is not None  # else: the rendezvous
+        if built and _is_timeout(exception) and hasattr(exception, "add_note"):
+            exception.add_note(_timeout_note(exception, self._parallel_dims, self._timeout, self.global_rank))
+        super().on_exception(exception)
+
     # ---- checkpoints --------------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Atomic and hashed: a crash mid-save leaves the previous one (see :mod:`meshkit.plugins.checkpointing`)."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: "
+                "meshkit writes checkpoints itself, not through a CheckpointIO plugin."
+            )
+        _ckpt.save_checkpoint(self, checkpoint, filepath)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
@@ -312,6 +353,71 @@ class NDParallelStrategy(ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return _ckpt.optimizer_state(self, optimizer, super().optimizer_state)
+
+
+def _is_timeout(exception: BaseException) -> bool:
+    text = str(exception).lower()
+    return isinstance(exception, RuntimeError) and ("timed out" in text or "timeout" in text)
+
+
+def _timeout_note(exception: BaseException, dims: Optional[ParallelDims], timeout: Any, rank: int) -> str:
+    """Which collective and group the timed-out call was in: read from torch.distributed's frames."""
+    from torch.distributed import ProcessGroup, get_process_group_ranks
+
+    names = {}
+    if dims is not None and dims._mesh is not None:
+        for axis in dims.order + tuple(dims._flat):
+            names[dims.submesh(axis).get_group().group_name] = axis
+    collective, group = "a collective", None
+    tb = exception.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed"):
+            collective = f"`{frame.f_code.co_name}`"
+            found = [v for v in frame.f_locals.values() if isinstance(v, ProcessGroup)]
+            group = found[0] if found else group
+        tb = tb.tb_next
+    if group is not None:
+        axis = names.get(group.group_name, group.group_desc or group.group_name)
+        where = f" on group `{axis}` (ranks {get_process_group_ranks(group)})"
+    else:  # e.g. a functional collective's wait_tensor keeps no group: list this rank's groups
+        axes = {a: dims.submesh(a) for a in dims.order} if dims is not None and dims._mesh is not None else {}
+        where = " on one of this rank's groups " + ", ".join(
+            f"`{a}` {get_process_group_ranks(m.get_group())}" for a, m in axes.items() if m.size() > 1
+        )
+    return (
+        f"meshkit (rank {rank}): {collective}{where} timed out after `timeout={timeout}`: another rank in that group "
+        "stopped responding (crashed, frozen, out of memory, or it runs other collectives). Look for the rank that "
+        "stopped in its own log; raise `timeout=` only if a step legitimately takes longer."
+    )
+
+
+def _exit_with_launcher(environment: Any) -> None:
+    """Ranks that Lightning's own launcher started exit when rank 0 (their parent) dies.
+
+    Without this they wait in their next collective until `timeout` (issue 14: orphans alive 100 s
+    later). Such a rank runs under the plain LightningEnvironment with LOCAL_RANK > 0 and its parent
+    is a Python process (torchrun and SLURM have their own environments and agents).
+    """
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    if type(environment) is not LightningEnvironment or environment.local_rank() == 0:
+        return
+    parent = os.getppid()
+    try:
+        if os.readlink(f"/proc/{parent}/exe") != os.readlink("/proc/self/exe"):
+            return
+    except OSError:  # not Linux, or the parent is gone already
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        print(f"meshkit (rank {environment.global_rank()}): the launching process (rank 0, pid {parent}) died; "
+              "exiting.", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True).start()
 
 
 def _is_parallelized(module: nn.Module) -> bool:

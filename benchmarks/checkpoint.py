@@ -1,0 +1,113 @@
+"""Checkpoint save time: meshkit's atomic, hashed save vs a plain DCP save of the same state, in one run.
+
+Providers, interleaved round by round so machine noise hits both alike, one process, the demo model
+(``meshkit demo``'s LlamaConfig: dim 128, 4 layers, vocab 256) with AdamW state, plus a larger model
+(dim 1024, 8 layers, vocab 32000) where hashing is a bigger share:
+
+- ``dcp``      ``torch.distributed.checkpoint.save`` into the folder + ``torch.save(meta.pt)``: what
+               Lightning's ModelParallelStrategy does (in place, no fsync of meta.pt, no manifest)
+- ``meshkit``  :func:`meshkit.plugins.checkpointing.save_checkpoint`: ``.partial`` sibling, fsync,
+               CRC-32 of every file, manifest, atomic rename over the previous checkpoint
+
+and ``crc32`` alone (the hashing share). Median over rounds of each provider.
+
+    python benchmarks/checkpoint.py [--rounds 7] [--large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from meshkit.models import LlamaConfig, LlamaLM  # noqa: E402
+from meshkit.plugins.checkpointing import HASH, MANIFEST, save_checkpoint  # noqa: E402
+
+_STUB = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0, world_size=1,
+                        _save_distributed_checkpoint=True)
+
+
+def _state(config: LlamaConfig) -> tuple[dict, dict, int]:
+    module = LlamaLM(config)
+    opt = torch.optim.AdamW(module.parameters())
+    module(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    params = {k: v.detach() for k, v in module.state_dict().items()}
+    optim = {f"state.{n}.{k}": v for n, p in module.named_parameters() for k, v in opt.state[p].items()}
+    meta = {"global_step": 1, "epoch": 0, "hyper_parameters": {"lr": 3e-3}}
+    numel = sum(v.numel() for v in params.values()) + sum(v.numel() for v in optim.values())
+    return params, {"optim": optim, "meta": meta}, numel * 4
+
+
+def _dcp(root: Path, params: dict, rest: dict) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    path = root / "plain.ckpt"
+    t = time.perf_counter()
+    path.mkdir(exist_ok=True)
+    dcp.save({"state_dict": params, "optimizer_0": rest["optim"]}, checkpoint_id=path, no_dist=True)
+    torch.save(rest["meta"], path / "meta.pt")
+    return time.perf_counter() - t
+
+
+def _meshkit(root: Path, params: dict, rest: dict) -> float:
+    t = time.perf_counter()
+    save_checkpoint(_STUB, {"state_dict": dict(params), "optimizer_states": [rest["optim"]], **rest["meta"]},
+                    root / "last.ckpt")
+    return time.perf_counter() - t
+
+
+def _crc(root: Path) -> float:
+    import zlib
+
+    t = time.perf_counter()
+    for f in (root / "last.ckpt").iterdir():
+        if f.name != MANIFEST:
+            zlib.crc32(f.read_bytes())
+    return time.perf_counter() - t
+
+
+def run(config: LlamaConfig, rounds: int) -> dict:
+    params, rest, nbytes = _state(config)
+    times: dict[str, list[float]] = {"dcp": [], "meshkit": [], "crc32": []}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("MESHKIT_BENCH_DIR")) as tmp:
+        root = Path(tmp)
+        for _ in range(rounds):
+            times["dcp"].append(_dcp(root, params, rest))
+            times["meshkit"].append(_meshkit(root, params, rest))
+            times["crc32"].append(_crc(root))
+        shutil.rmtree(root / "plain.ckpt", ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"bytes": nbytes, **{f"{k}_s": round(v, 4) for k, v in med.items()},
+            "meshkit_over_dcp": round(med["meshkit"] / med["dcp"], 3),
+            "crc32_share_of_meshkit": round(med["crc32"] / med["meshkit"], 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--large", action="store_true", help="also the dim-1024, 8-layer, vocab-32000 model")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    configs = {"demo": LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=128)}
+    if args.large:
+        configs["large"] = LlamaConfig(vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=8)
+    out = {name: run(cfg, args.rounds) for name, cfg in configs.items()}
+    print(json.dumps({"hash": HASH, "rounds": args.rounds, **out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Checkpoints under faults, on real 2-rank gloo jobs: SIGKILL at every save phase, flipped bytes,
+crafted pickles, a smaller model. Every wait is bounded (tests.distributed.jobs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import jobs
+
+WORLD = 2
+JOB_TIMEOUT_S = 300
+
+
+class _Payload:
+    """Unpickling this touches a marker file: proof that a checkpoint ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _resume(ckpt: Path, tmp: Path, layers: int = 4) -> list[dict]:
+    """A fresh 2-rank job restoring ``ckpt``; each rank's params + step, or its error."""
+    out = tmp / f"resume-{ckpt.name}-{layers}"
+    out.mkdir()
+    procs = jobs.start(WORLD, "resume", str(ckpt), str(out), str(layers), log_dir=out)
+    codes = jobs.wait(procs, JOB_TIMEOUT_S)
+    assert all(c is not None for c in codes), f"resume hung: {codes}\n{jobs.logs(out)}"
+    results = []
+    for r in range(WORLD):
+        file = out / f"rank{r}.pt"
+        assert file.is_file(), f"rank {r} wrote nothing (exit {codes[r]})\n{jobs.logs(out)}"
+        results.append({**torch.load(file, weights_only=True), "code": codes[r]})
+    return results
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    """An uninterrupted run: epoch=0-step=2.ckpt, epoch=0-step=4.ckpt and last.ckpt (step 4)."""
+    d = tmp_path_factory.mktemp("good")
+    procs = jobs.start(WORLD, "save", str(d), "none", "-1", log_dir=d)
+    codes = jobs.wait(procs, JOB_TIMEOUT_S)
+    assert codes == [0] * WORLD, jobs.logs(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def weights(good) -> dict[int, dict[str, torch.Tensor]]:
+    from meshkit.plugins.checkpointing import consolidate_checkpoint
+
+    return {s: consolidate_checkpoint(good / f"epoch=0-step={s}.ckpt") for s in (2, 4)}
+
+
+def test_good_checkpoint_has_a_manifest(good):
+    from meshkit.plugins.checkpointing import HASH, MANIFEST, verify_checkpoint
+
+    last = good / "last.ckpt"
+    manifest = json.loads((last / MANIFEST).read_text())
+    assert manifest["hash"] == HASH == "crc32"
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "meta.pt"} <= set(manifest["files"])
+    verify_checkpoint(last)
+    assert not any(p.name.startswith(".") for p in good.iterdir()), sorted(os.listdir(good))
+
+
+# (phase, rank killed, the step last.ckpt must hold afterwards)
+PHASES = [
+    ("partial_created", 1, 2), ("shards_written", 1, 2), ("meta_written", 0, 2),
+    ("manifest_written", 0, 2), ("old_moved", 0, 4), ("published", 0, 4),
+]
+
+
+@pytest.mark.parametrize("phase,kill_rank,step", PHASES, ids=[p[0] for p in PHASES])
+def test_sigkill_during_save_resumes_a_complete_checkpoint(tmp_path, weights, phase, kill_rank, step):
+    procs = jobs.start(WORLD, "save", str(tmp_path), phase, str(kill_rank), log_dir=tmp_path)
+    jobs.wait(procs, JOB_TIMEOUT_S, until=lambda: (tmp_path / "killed").exists())
+    assert (tmp_path / "killed").exists(), f"never reached {phase}\n{jobs.logs(tmp_path)}"
+    jobs.kill(procs)  # the job dies with its rank, as under a real launcher
+    results = _resume(tmp_path / "last.ckpt", tmp_path)
+    for r in results:
+        assert r["code"] == 0 and "error" not in r, r
+        assert r["global_step"] == step, (phase, r["global_step"])
+        for name, tensor in r["params"].items():  # the weights of that very step, not a mix
+            assert torch.equal(tensor, weights[step][name]), (phase, name)
+
+
+def _copy(good: Path, tmp: Path, name: str) -> Path:
+    dst = tmp / name
+    shutil.copytree(good / "epoch=0-step=2.ckpt", dst)
+    return dst
+
+
+def _rehash(ckpt: Path, name: str) -> None:
+    """What a forger does: make the manifest agree with a replaced file (a CRC is no defence; the unpickler is)."""
+    from meshkit.plugins.checkpointing import MANIFEST
+
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    data = (ckpt / name).read_bytes()
+    manifest["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_flipped_byte_is_an_integrity_error_on_every_rank(good, tmp_path):
+    ckpt = _copy(good, tmp_path, "flipped.ckpt")
+    shard = ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for r in _resume(ckpt, tmp_path):
+        assert r["code"] != 0
+        assert "CheckpointError" in r["error"] and "`__1_0.distcp` (written by rank 1) fails its crc32 check" in r["error"]
+
+
+def test_crafted_metadata_is_refused_and_runs_nothing(good, tmp_path):
+    ckpt = _copy(good, tmp_path, "crafted.ckpt")
+    marker = tmp_path / "pwned"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rehash(ckpt, ".metadata")
+    for r in _resume(ckpt, tmp_path):
+        assert r["code"] != 0 and "UnsafeCheckpointError" in r["error"] and "posix.system" in r["error"], r
+    with pytest.raises(Exception, match="refused to unpickle `posix.system`"):
+        from meshkit.plugins.checkpointing import consolidate_checkpoint
+
+        consolidate_checkpoint(ckpt)
+    assert not marker.exists()
+
+
+def test_crafted_shard_entry_is_refused_and_runs_nothing(good, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from meshkit.plugins.checkpointing import consolidate_checkpoint
+    from meshkit.plugins.dcp_reader import read_all
+
+    marker = tmp_path / "pwned"
+    state = read_all(good / "epoch=0-step=2.ckpt")
+    lr = next(k for k in state["optimizer_0"] if k.startswith("param_groups.") and k.endswith(".lr"))
+    state["optimizer_0"][lr] = _Payload(marker)
+    ckpt = tmp_path / "crafted_shard.ckpt"
+    dcp.save(state, checkpoint_id=ckpt, no_dist=True)  # no manifest: what an older meshkit wrote
+    shutil.copy(good / "epoch=0-step=2.ckpt" / "meta.pt", ckpt / "meta.pt")
+    for r in _resume(ckpt, tmp_path):
+        assert r["code"] != 0 and "UnsafeCheckpointError" in r["error"] and lr in r["error"], r
+    with pytest.raises(Exception, match="refused the non-tensor entry"):
+        consolidate_checkpoint(ckpt)
+    assert not marker.exists()
+
+
+def test_incomplete_folder_fails_clearly(good, tmp_path):
+    ckpt = _copy(good, tmp_path, "incomplete.ckpt")
+    (ckpt / "meta.pt").unlink()
+    (ckpt / "meshkit.json").unlink()
+    for r in _resume(ckpt, tmp_path):
+        assert r["code"] != 0 and "a save was interrupted" in r["error"], r
+
+
+def test_four_layer_checkpoint_into_two_layer_model_is_refused(good, tmp_path):
+    for r in _resume(good / "last.ckpt", tmp_path, layers=2):
+        assert r["code"] != 0, r
+        assert "does not fit the model" in r["error"] and "unexpected key(s)" in r["error"], r
+        assert "model.layers.2." in r["error"], r

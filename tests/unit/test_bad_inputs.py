@@ -1,0 +1,345 @@
+"""Every bad input a new user may give, in one process: each fails clearly (an error naming `name=value`,
+the rule and a fix) or, where the layout is legal but wasteful, warns. No process group, no hang.
+
+Each case is (id, call, expectation): ``call(tmp_path)`` runs the input; the expectation is
+``raises(Type, pattern)`` or ``warns(pattern)``. docs/checkpoints.md has the before/after table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import meshkit
+from meshkit.models.llama import LlamaConfig, LlamaLM
+from meshkit.plugins.checkpointing import (
+    CheckpointError,
+    check_fits,
+    consolidate_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from meshkit.plugins.dcp_reader import UnsafeCheckpointError
+from meshkit.plugins.dims import ParallelDims
+from meshkit.plugins.parallelize import ParallelConfig
+from meshkit.plugins.presets import PRESETS, check_launch, resolve_layout
+
+AUTO = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
+
+
+def raises(kind: type, pattern: str) -> tuple:
+    return ("raises", kind, pattern)
+
+
+def warns(pattern: str) -> tuple:
+    return ("warns", None, pattern)
+
+
+def _lm(**overrides: Any) -> nn.Module:
+    return LlamaLM(LlamaConfig.tiny(**overrides))
+
+
+class _Flat(nn.Module):  # no repeated blocks
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+def _layout(preset: str = "hsdp_tp", world: int = 4, nodes: int = 1, model: Any = None, **kw: Any) -> Callable:
+    sizes = {**AUTO, **{k: v for k, v in kw.items() if k in AUTO}}
+    config = ParallelConfig(**{k: v for k, v in kw.items() if k not in AUTO})
+    return lambda tmp: resolve_layout(PRESETS[preset], sizes, config, world_size=world, num_nodes=nodes,
+                                      model=model() if callable(model) else model)
+
+
+def _strategy(**kw: Any) -> Callable:
+    return lambda tmp: meshkit.NDParallelStrategy(**kw)
+
+
+def _dims(**kw: Any) -> Callable:
+    return lambda tmp: ParallelDims(**kw)
+
+
+def _launch(devices: int, nodes: int, env: dict, initialized: int | None = None) -> Callable:
+    return lambda tmp: check_launch(devices, nodes, env, initialized)
+
+
+# ---- checkpoints on disk (one process) --------------------------------------------------------------
+_STUB = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0, world_size=1,
+                        _save_distributed_checkpoint=True)
+
+
+def _good(tmp: Path, name: str = "good.ckpt") -> Path:
+    """A meshkit checkpoint written by save_checkpoint in one process: a 2-layer state and SGD-like entries."""
+    torch.manual_seed(0)
+    state = {"layers.0.w": torch.randn(4, 4), "layers.1.w": torch.randn(4, 4)}
+    optim = {"state.layers.0.w.momentum_buffer": torch.zeros(4, 4), "param_groups.layers.0.w.lr": 0.1}
+    path = tmp / name
+    save_checkpoint(_STUB, {"state_dict": state, "optimizer_states": [optim], "global_step": 3}, path)
+    return path
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+class _Eval:
+    def __reduce__(self):
+        return (eval, ("1 + 1",))
+
+
+def _rehash(ckpt: Path, name: str) -> None:
+    manifest = json.loads((ckpt / "meshkit.json").read_text())
+    data = (ckpt / name).read_bytes()
+    manifest["files"][name].update(bytes=len(data), crc32=f"{zlib.crc32(data):08x}")
+    (ckpt / "meshkit.json").write_text(json.dumps(manifest))
+
+
+def _damaged(edit: Callable[[Path], None], then: Callable[[Path], Any] = consolidate_checkpoint) -> Callable:
+    def run(tmp: Path) -> Any:
+        ckpt = _good(tmp)
+        edit(ckpt)
+        return then(ckpt)
+
+    return run
+
+
+def _flip(ckpt: Path) -> None:
+    f = ckpt / "__0_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def _truncate(ckpt: Path) -> None:
+    f = ckpt / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:-7])
+
+
+def _metadata(obj: Any, rehash: bool = True) -> Callable[[Path], None]:
+    def edit(ckpt: Path) -> None:
+        (ckpt / ".metadata").write_bytes(obj if isinstance(obj, bytes) else pickle.dumps(obj))
+        if rehash:
+            _rehash(ckpt, ".metadata")
+
+    return edit
+
+
+def _manifest(text: str) -> Callable[[Path], None]:
+    return lambda ckpt: (ckpt / "meshkit.json").write_text(text)
+
+
+def _crafted_entry(tmp: Path) -> Any:
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp / "pwned"
+    state = {"state_dict": {"w": torch.ones(2)}, "optimizer_0": {"param_groups.w.lr": _Payload(marker)}}
+    dcp.save(state, checkpoint_id=tmp / "crafted", no_dist=True)
+    torch.save({}, tmp / "crafted" / "meta.pt")  # no manifest: what an older meshkit wrote
+    try:
+        return consolidate_checkpoint(tmp / "crafted")
+    finally:
+        assert not marker.exists(), "the payload ran"
+
+
+def _fits(model_state: dict, strict: bool = True) -> Callable:
+    return lambda tmp: check_fits(model_state, _good(tmp), strict=strict)
+
+
+def _full_file(obj: Any, raw: bytes | None = None) -> Callable:
+    def run(tmp: Path) -> Any:
+        f = tmp / "weights.pt"
+        if raw is not None:
+            f.write_bytes(raw)
+        else:
+            torch.save(obj, f)
+        return load_checkpoint(_STUB, f, None, lambda *a, **k: pytest.fail("reached Lightning's loader"))
+
+    return run
+
+
+def _cli(*argv: str) -> Callable:
+    def run(tmp: Path) -> Any:
+        from meshkit.cli import main
+
+        code = main([a.replace("TMP", str(tmp)) for a in argv])
+        if code != 2:
+            raise AssertionError(f"exit {code}")
+        raise SystemExit(code)
+
+    return run
+
+
+_FOUR = {"layers.0.w": torch.zeros(4, 4), "layers.1.w": torch.zeros(4, 4)}
+
+CASES: list[tuple[str, Callable, tuple]] = [
+    # -- strategy arguments (raise in __init__) --
+    ("preset_typo", _strategy(preset="hsdp-tp"), raises(ValueError, r"unknown `preset='hsdp-tp'`")),
+    ("preset_empty", _strategy(preset=""), raises(ValueError, r"unknown `preset=''`")),
+    ("ac_mode", _strategy(activation_checkpointing="partial"), raises(ValueError, r"`activation_checkpointing='partial'`")),
+    ("ac_bool", _strategy(activation_checkpointing=True), raises(ValueError, r"`activation_checkpointing=True`")),
+    ("cp_attention", _strategy(cp_attention="flash"), raises(ValueError, r"`cp_attention='flash'`")),
+    ("cp_layout", _strategy(cp_layout="zigzag"), raises(ValueError, r"`cp_layout='zigzag'`")),
+    # -- sizes --
+    ("tp_0", _layout(tp=0), raises(ValueError, r"`tp=0` must be a positive int")),
+    ("tp_neg", _layout(tp=-1), raises(ValueError, r"`tp=-1` must be a positive int")),
+    ("tp_float", _layout(tp=2.5), raises(ValueError, r"`tp=2.5` must be a positive int")),
+    ("tp_str", _layout(tp="2"), raises(ValueError, r"`tp='2'` must be a positive int")),
+    ("tp_bool", _layout(tp=True), raises(ValueError, r"`tp=True` must be a positive int")),
+    ("dp_shard_0", _layout(dp_shard=0), raises(ValueError, r"`dp_shard=0` must be a positive int")),
+    ("dp_shard_-2", _layout(dp_shard=-2), raises(ValueError, r"`dp_shard=-2` must be a positive int")),
+    ("dp_replicate_0", _layout(dp_replicate=0), raises(ValueError, r"`dp_replicate=0` must be a positive int")),
+    ("pp_0", _layout(pp=0), raises(ValueError, r"`pp=0` must be a positive int")),
+    ("cp_neg", _layout(cp=-1), raises(ValueError, r"`cp=-1` must be a positive int")),
+    ("cp_word", _layout(cp="max"), raises(ValueError, r"`cp='max'` must be a positive int")),
+    ("nodes_not_dividing", _layout(world=6, nodes=4), raises(ValueError, r"world size 6 is not divisible by `num_nodes=4`")),
+    ("product_mismatch", _layout(dp_shard=3, tp=2), raises(ValueError, r"multiplied \(6\) should equal the world size \(4\)")),
+    ("fill_not_dividing", _layout(tp=3), raises(ValueError, r"does not divide the world size \(4\)")),
+    ("tp_vs_heads", _layout(world=3, tp=3, model=_lm), raises(ValueError, r"`tp=3` must divide the model's")),
+    ("tp_vs_kv_heads", _layout(tp=4, model=_lm), raises(ValueError, r"`num_kv_heads=2`")),
+    ("ulysses_heads", _layout(preset="cp", cp=4, tp=1, cp_attention="ulysses", model=lambda: _lm(n_heads=2, n_kv_heads=2)),
+     raises(ValueError, r"ulysses")),
+    ("pp_with_cp", _layout(preset="pp", cp=2), raises(ValueError, r"`pp=2` with `cp=2` is not supported")),
+    # -- global batch --
+    ("gbs_0", _layout(global_batch_size=0), raises(ValueError, r"`global_batch_size=0` must be a positive int")),
+    ("gbs_neg", _layout(global_batch_size=-8), raises(ValueError, r"`global_batch_size=-8` must be a positive int")),
+    ("gbs_str", _layout(global_batch_size="8"), raises(ValueError, r"`global_batch_size='8'` must be a positive int")),
+    ("gbs_float", _layout(global_batch_size=8.0), raises(ValueError, r"`global_batch_size=8.0` must be a positive int")),
+    ("gbs_bool", _layout(global_batch_size=True), raises(ValueError, r"`global_batch_size=True` must be a positive int")),
+    ("gbs_not_divisible", _layout(preset="fsdp2", global_batch_size=6),
+     raises(ValueError, r"`global_batch_size=6` is not divisible")),
+    # -- precision --
+    ("precision_16", _layout(precision="16-mixed"), raises(ValueError, r"16-mixed")),
+    ("precision_fp8", _layout(precision="fp8"), raises(ValueError, r"fp8")),
+    ("precision_64", _layout(precision="64-true"), raises(ValueError, r"64-true")),
+    ("precision_bf16", _layout(precision="bf16"), raises(ValueError, r"bf16")),
+    # -- tp plan --
+    ("tp_plan_no_match", _layout(tp=2, tp_plan={"layers.*.attention.wq": "colwise"}, model=_lm),
+     raises(ValueError, r"pattern\(s\) \['layers.\*.attention.wq'\] match no module")),
+    ("tp_plan_typo", _layout(tp=2, tp_plan={"model.layers.*.attn.wq": "rowwise"}, model=_lm),
+     raises(ValueError, r"match no module")),
+    ("tp_plan_style", _layout(tp=2, tp_plan={"model.layers.*.attention.wq": "diagonal"}, model=_lm),
+     raises(ValueError, r"`model.layers.\*.attention.wq='diagonal'` is not a ParallelStyle")),
+    ("tp_plan_style_int", _layout(tp=2, tp_plan={"model.output": 3}, model=_lm),
+     raises(ValueError, r"`model.output=3` is not a ParallelStyle")),
+    ("tp_plan_list", _layout(tp=2, tp_plan=["model.output"], model=_lm), raises(ValueError, r"must be a dict")),
+    ("tp_plan_unused", _layout(preset="fsdp2", tp_plan={"model.output": "colwise"}, model=_lm),
+     warns(r"`tp_plan` is given but `tp=1`")),
+    # -- legal but wasteful: warnings --
+    ("no_repeated_blocks", _layout(preset="fsdp2", model=_Flat), warns(r"has no repeated blocks")),
+    ("hsdp_tp_devices3", _layout(world=3, model=_lm), warns(r"preset `hsdp_tp` turns tensor parallelism on")),
+    ("tp_devices3_nodes2", _layout(world=6, nodes=2, model=_lm), warns(r"preset `hsdp_tp` turns tensor parallelism on")),
+    ("tp_straddles_nodes", _layout(preset="fsdp2", world=6, nodes=2, tp=2, model=_lm), warns(r"span two nodes")),
+    ("tp_larger_than_node", _layout(preset="fsdp2", world=8, nodes=4, tp=4), warns(r"larger than the 2 devices")),
+    # -- ParallelDims directly --
+    ("dims_order", _dims(order=("tp", "dp"), world_size=1), raises(ValueError, r"must be a permutation")),
+    ("dims_world_0", _dims(world_size=0), raises(ValueError, r"`world_size=0` must be >= 1")),
+    ("dims_str", _dims(dp_replicate="x"), raises(ValueError, r"`dp_replicate='x'` must be an int")),
+    ("dims_bool", _dims(tp=True), raises(ValueError, r"`tp=True` must be an int")),
+    # -- launcher vs Trainer (before any collective) --
+    ("launch_world_big", _launch(2, 1, {"WORLD_SIZE": "4"}), raises(ValueError, r"`WORLD_SIZE=4` processes but")),
+    ("launch_world_small", _launch(2, 1, {"WORLD_SIZE": "1"}), raises(ValueError, r"`WORLD_SIZE=1` processes but")),
+    ("launch_nodes", _launch(2, 2, {"WORLD_SIZE": "2"}), raises(ValueError, r"`num_nodes=2` = 4")),
+    ("launch_initialized", _launch(2, 1, {}, 4), raises(ValueError, r"`WORLD_SIZE=4` processes but")),
+    ("launch_local_rank", _launch(2, 1, {"LOCAL_RANK": "2"}), raises(ValueError, r"`LOCAL_RANK=2`")),
+    ("launch_node_rank", _launch(2, 1, {"NODE_RANK": "1"}), raises(ValueError, r"`NODE_RANK=1`")),
+    ("launch_rank", _launch(2, 2, {"RANK": "1", "LOCAL_RANK": "1", "NODE_RANK": "1"}),
+     raises(ValueError, r"`RANK=1` is not")),
+    ("launch_not_int", _launch(2, 1, {"WORLD_SIZE": "four"}), raises(ValueError, r"`WORLD_SIZE='four'`")),
+    ("launch_negative", _launch(2, 1, {"LOCAL_RANK": "-1"}), raises(ValueError, r"`LOCAL_RANK='-1'`")),
+    # -- checkpoint folders --
+    ("consolidate_missing", lambda tmp: consolidate_checkpoint(tmp / "nope"), raises(ValueError, r"it does not exist")),
+    ("consolidate_file", lambda tmp: consolidate_checkpoint(Path(__file__)), raises(ValueError, r"not a sharded")),
+    ("consolidate_empty_dir", lambda tmp: consolidate_checkpoint(tmp), raises(ValueError, r"has no `.metadata` file")),
+    ("ckpt_incomplete", _damaged(lambda c: [(c / "meshkit.json").unlink(), (c / "meta.pt").unlink()]),
+     raises(CheckpointError, r"a save was interrupted")),
+    ("ckpt_flipped_byte", _damaged(_flip), raises(CheckpointError, r"`__0_0.distcp` \(written by rank 0\) fails its crc32")),
+    ("ckpt_truncated", _damaged(_truncate), raises(CheckpointError, r"`__0_0.distcp` \(written by rank 0\) has \d+ bytes")),
+    ("ckpt_shard_missing", _damaged(lambda c: (c / "__0_0.distcp").unlink()),
+     raises(CheckpointError, r"`__0_0.distcp` \(written by rank 0\) is missing")),
+    ("ckpt_meta_flipped", _damaged(lambda c: (c / "meta.pt").write_bytes(b"x" + (c / "meta.pt").read_bytes()[1:])),
+     raises(CheckpointError, r"`meta.pt` .* fails its crc32")),
+    ("manifest_not_json", _damaged(_manifest("{not json")), raises(CheckpointError, r"`meshkit.json` is unreadable")),
+    ("manifest_no_files", _damaged(_manifest('{"hash": "crc32"}')), raises(CheckpointError, r"is unreadable")),
+    ("manifest_other_hash", _damaged(_manifest('{"hash": "md5", "files": {}}')), raises(CheckpointError, r"uses hash `md5`")),
+    ("metadata_system", _damaged(_metadata(_Payload(Path("/tmp/meshkit-test-pwned")))),
+     raises(UnsafeCheckpointError, r"refused to unpickle `posix.system`")),
+    ("metadata_eval", _damaged(_metadata(_Eval())), raises(UnsafeCheckpointError, r"refused to unpickle `builtins.eval`")),
+    ("metadata_dict", _damaged(_metadata({"a": 1})), raises(UnsafeCheckpointError, r"holds a dict, not DCP `Metadata`")),
+    ("metadata_truncated", _damaged(_metadata(b"\x80\x04\x95")), raises(UnsafeCheckpointError, r"not a readable DCP metadata")),
+    ("metadata_empty", _damaged(_metadata(b"")), raises(UnsafeCheckpointError, r"not a readable DCP metadata")),
+    ("metadata_unhashed", _damaged(_metadata(_Eval(), rehash=False)), raises(CheckpointError, r"`.metadata` \(written by rank 0\) has \d+ bytes")),
+    ("shard_entry_payload", _crafted_entry, raises(UnsafeCheckpointError, r"refused the non-tensor entry")),
+    ("verify_missing", lambda tmp: verify_checkpoint(tmp / "nope"), raises(CheckpointError, r"it is not a folder")),
+    ("verify_file", lambda tmp: verify_checkpoint(Path(__file__)), raises(CheckpointError, r"it is not a folder")),
+    # -- strict resume --
+    ("fits_missing", _fits({**_FOUR, "layers.2.w": torch.zeros(4, 4)}),
+     raises(CheckpointError, r"1 key\(s\) missing from the checkpoint: \['layers.2.w'\]")),
+    ("fits_unexpected", _fits({"layers.0.w": torch.zeros(4, 4)}),
+     raises(CheckpointError, r"1 unexpected key\(s\) in the checkpoint: \['layers.1.w'\]")),
+    ("fits_shape", _fits({**_FOUR, "layers.1.w": torch.zeros(4, 8)}),
+     raises(CheckpointError, r"`layers.1.w`: checkpoint \(4, 4\), model \(4, 8\)")),
+    ("fits_shape_not_strict", _fits({"layers.0.w": torch.zeros(2, 4)}, strict=False),
+     raises(CheckpointError, r"shape mismatch")),
+    # -- ckpt_path that is one file --
+    ("ckpt_path_plain_state_dict", _full_file({"w": torch.ones(2)}), raises(CheckpointError, r"not a Lightning checkpoint")),
+    ("ckpt_path_list", _full_file([torch.ones(2)]), raises(CheckpointError, r"is a list, not a Lightning checkpoint")),
+    ("ckpt_path_tensor", _full_file(torch.ones(2)), raises(CheckpointError, r"is a Tensor, not a Lightning")),
+    ("ckpt_path_text", _full_file(None, raw=b"hello"), raises(CheckpointError, r"not a readable torch file")),
+    ("ckpt_path_payload", _full_file(None, raw=pickle.dumps(_Eval())), raises(CheckpointError, r"not a readable torch")),
+    ("ckpt_path_missing", lambda tmp: load_checkpoint(_STUB, tmp / "nope.ckpt", None, None),
+     raises(CheckpointError, r"does not exist")),
+    # -- CLI --
+    ("cli_consolidate_missing", _cli("consolidate", "TMP/nope", "TMP/out.pt"), raises(SystemExit, r"2")),
+    ("cli_consolidate_corrupt", lambda tmp: _cli("consolidate", str(_damaged(_flip, lambda c: c)(tmp)), "TMP/o.pt")(tmp),
+     raises(SystemExit, r"2")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_fails_clearly(case, tmp_path, capsys):
+    _, call, (how, kind, pattern) = case
+    if how == "raises":
+        with pytest.raises(kind, match=pattern):
+            call(tmp_path)
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(tmp_path)
+    assert any(__import__("re").search(pattern, str(w.message)) for w in caught), [str(w.message) for w in caught]
+
+
+def test_cli_errors_go_to_stderr(tmp_path, capsys):
+    from meshkit.cli import main
+
+    assert main(["consolidate", str(tmp_path / "nope"), str(tmp_path / "o.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshkit consolidate: error: ") and "does not exist" in err
+
+
+def test_enough_inputs():
+    assert len(CASES) >= 80
+
+
+def test_good_checkpoint_round_trips(tmp_path):
+    ckpt = _good(tmp_path)
+    verify_checkpoint(ckpt)
+    check_fits(dict(_FOUR), ckpt)
+    weights = consolidate_checkpoint(ckpt)
+    assert set(weights) == set(_FOUR)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]  # no .partial / .old left
