@@ -1,4 +1,4 @@
-"""`meshkit` command line: ``meshkit demo | plan | analyze | occupancy | bubble | consolidate``.
+"""`meshkit` command line: ``meshkit demo | plan | analyze | occupancy | bubble | doctor | consolidate``.
 
 Each verb lives in the module that owns it; that module defines ``configure_parser(parser)``
 and ``run_cli(args) -> int``. Only the chosen verb's module is imported.
