@@ -258,6 +258,8 @@ class MFUMonitor(Callback):
         log_every: log scalars every this many batches (default: the Trainer's log_every_n_steps).
         trace_dir: where traces go (default ``<log_dir>/profiler``, which TensorBoard's
             pytorch_profiler tab reads).
+        doctor: also run :class:`meshkit.doctor.Doctor` (added to the Trainer's callbacks unless it has
+            one): the failures that raise no error, in ``<log_dir>/doctor.json`` and TensorBoard.
 
     Example::
 
@@ -269,7 +271,7 @@ class MFUMonitor(Callback):
                  measure_flops: bool = True, flop_count_batch: int = 1, profile_every: int = 100,
                  profile_start: int = 5, profile_steps: int = 2, profile_budget: float | None = 0.005,
                  log_every: int | None = None,
-                 trace_dir: str | None = None, history: int = 10_000) -> None:
+                 trace_dir: str | None = None, history: int = 10_000, doctor: bool = False) -> None:
         for name, value in (("profile_every", profile_every), ("profile_start", profile_start),
                             ("flop_count_batch", flop_count_batch)):
             if not isinstance(value, int) or value < 0:
@@ -288,6 +290,7 @@ class MFUMonitor(Callback):
         self.profile_start, self.profile_steps, self.profile_budget = profile_start, profile_steps, profile_budget
         self.log_every, self.trace_dir = log_every, trace_dir
         self.history: deque[StepMetrics] = deque(maxlen=history)
+        self.doctor = doctor
         self.peak_source = ""
         self.windows: list[_Window] = []
         self._reset()
@@ -327,6 +330,10 @@ class MFUMonitor(Callback):
         if stage != "fit":
             return
         self._reset()
+        if self.doctor:  # the one upward import of profiling/ (tests/unit/test_layering.py names it)
+            from meshkit.doctor import ensure_doctor
+
+            ensure_doctor(trainer, pl_module, stage)
         self._dp, self._world = mesh_factors(trainer.strategy, trainer.world_size)
         self._device = pl_module.device if pl_module.device.type != "meta" else torch.device("cpu")
         self._log_dir = trainer.log_dir  # collective: every rank calls setup

@@ -262,3 +262,35 @@ def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
     events = b"".join(p.read_bytes() for p in log_dir.glob("events.out.tfevents.*"))
     assert b"meshkit/doctor" in events
     assert "WARNING  unused_parameters (rank 0)" in capsys.readouterr().out
+
+
+def test_mfu_monitor_switches_the_doctor_on(tmp_path):
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from meshkit.doctor import Doctor
+    from meshkit.profiling.mfu import MFUMonitor
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.lin(batch).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(monitor):
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="m"),
+                            callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+        return [cb for cb in trainer.callbacks if isinstance(cb, Doctor)]
+
+    (doctor,) = fit(MFUMonitor(doctor=True, profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0))
+    # the Doctor sees the module (an unused parameter) and the monitor's MFU history (its band)
+    assert sorted(f.id for f in doctor.findings) == ["mfu_band", "unused_parameters"]
+    assert fit(MFUMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0)) == []
