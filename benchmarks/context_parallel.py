@@ -32,8 +32,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from meshkit.plugins import _cp_attention as impl  # noqa: E402
-from meshkit.plugins.context_parallel import CP_ATTENTIONS, context_parallel_attention, shard_sequence  # noqa: E402
+from meshkit.plugins.context_parallel import (  # noqa: E402
+    CP_ATTENTIONS,
+    check_cp_heads,
+    context_parallel_attention,
+    shard_sequence,
+)
+
+# torch 2.13 names the tensor collectives *_single; older torch has only the *_tensor names. Wrap whichever exist.
+_GATHERS = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+_SCATTERS = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
 
 
 def formula_bytes(variant: str, cp: int, b: int, h: int, hkv: int, t: int, d: int, elem: int) -> float:
@@ -51,35 +59,35 @@ def formula_bytes(variant: str, cp: int, b: int, h: int, hkv: int, t: int, d: in
     return 2 * (cp - 1) / cp * (q + kv_rep + q)
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _share(group) -> float:
+    """The (n-1)/n share of a collective's full tensor each rank sends under the ring algorithm."""
+    n = dist.get_world_size(group)
+    return (n - 1) / n
+
+
 class _Counter:
-    """Counts bytes a rank sends, by wrapping the communication entry points the cp attention calls."""
+    """Counts bytes a rank sends, by wrapping the torch.distributed entry points the cp attention calls."""
 
     def __init__(self) -> None:
         self.sent = 0.0
-        self._orig = (dist.batch_isend_irecv, impl._all_gather, impl._reduce_scatter, dist.all_to_all_single)
-        batch, gather, scatter, a2a = self._orig
+        self._wrap("batch_isend_irecv", lambda ops: sum(_nbytes(op.tensor) for op in ops if op.op is dist.isend))
+        for name in _GATHERS:  # counted on the gathered output
+            self._wrap(name, lambda out, inp, *a, group=None, **kw: _share(group) * _nbytes(out))
+        for name in (*_SCATTERS, "all_to_all_single"):  # counted on the input
+            self._wrap(name, lambda out, inp, *a, group=None, **kw: _share(group) * _nbytes(inp))
 
-        def batch_isend_irecv(ops):
-            self.sent += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-            return batch(ops)
+    def _wrap(self, name: str, count) -> None:
+        orig = getattr(dist, name)
 
-        def all_gather(out, inp, group=None, async_op=False):
-            n = dist.get_world_size(group)
-            self.sent += (n - 1) / n * out.numel() * out.element_size()
-            return gather(out, inp, group=group, async_op=async_op)
+        def wrapped(*args, **kwargs):
+            self.sent += count(*args, **kwargs)
+            return orig(*args, **kwargs)
 
-        def reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            n = dist.get_world_size(group)
-            self.sent += (n - 1) / n * inp.numel() * inp.element_size()
-            return scatter(out, inp, op=op, group=group, async_op=async_op)
-
-        def all_to_all_single(out, inp, *args, group=None, async_op=False, **kw):
-            n = dist.get_world_size(group)
-            self.sent += (n - 1) / n * inp.numel() * inp.element_size()
-            return a2a(out, inp, *args, group=group, async_op=async_op, **kw)
-
-        dist.batch_isend_irecv, impl._all_gather, impl._reduce_scatter = batch_isend_irecv, all_gather, reduce_scatter
-        dist.all_to_all_single = all_to_all_single
+        setattr(dist, name, wrapped)
 
 
 def _saved_bytes(fn) -> tuple[torch.Tensor, int]:
@@ -109,7 +117,11 @@ def _worker(rank: int, cp: int, port: int, args: argparse.Namespace, results) ->
     local = [shard_sequence(x, rank, cp, dim=2) for x in (q, k, v)]
     rows = []
     h, hkv = args.heads, args.kv_heads
-    ulysses_fits = h % cp == 0 and (hkv % cp == 0 or cp % hkv == 0)
+    try:
+        check_cp_heads(h, hkv, None, cp, "ulysses")
+        ulysses_fits = True
+    except ValueError:
+        ulysses_fits = False
     variants = [name for name in args.variants if name != "ulysses" or ulysses_fits]
     for variant in variants:
         times, sent, saved = [], 0.0, 0

@@ -13,7 +13,8 @@ timeline on (``pp_timeline_rank{R}.jsonl``) and reports, over the measured steps
 - **simulated**: :func:`meshkit.profiling.bubble.simulate_from_timeline`, the schedule replayed
   with the measured mean F/B/I/W time of each stage and no communication; **simulated+hops**
   the same with every P2P hop costing the measured median hop (:func:`hop_latency_ns`);
-- **theory**: (p-1)/(m+p-1) for gpipe and 1f1b, (p-1)/(v·m+p-1) for multi-stage schedules.
+- **theory**: :func:`meshkit.schedules.theoretical_bubble` (F = I = W): (p-1)/(m+p-1) for gpipe and
+  1f1b, (p-1)/(v·m+p-1) for interleaved_1f1b and looped_bfs, (p-1)/(3·v·m+p-1) for the zero-bubble schedules.
 
 ``--device-ms T`` emulates an accelerator: every block's forward also spends T ms, and its
 backward 2T ms, "on the device" (the host sleeps, as it does in ``cuda.synchronize``), so p ranks
@@ -40,8 +41,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from meshkit.plugins.pipeline import SCHEDULES, build_pipeline, pipeline_step, theoretical_bubble  # noqa: E402
+from meshkit.plugins.pipeline import SCHEDULES, build_pipeline, pipeline_step  # noqa: E402
 from meshkit.profiling.bubble import hop_latency_ns, measured_bubble, read_timeline, simulate_from_timeline  # noqa: E402
+from meshkit.schedules import theoretical_bubble  # noqa: E402
 
 
 class DeviceTime(torch.autograd.Function):

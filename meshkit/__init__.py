@@ -62,7 +62,7 @@ def __getattr__(name: str):  # callbacks and Triton kernels load lazily: `import
 
         return MFUMonitor
     if name == "TritonKernelReport":
-        from meshkit.profiling.occupancy_tb import TritonKernelReport
+        from meshkit.profiling.occupancy import TritonKernelReport
 
         return TritonKernelReport
     raise AttributeError(f"module 'meshkit' has no attribute {name!r}")

@@ -2,6 +2,14 @@
 
 Each verb lives in the module that owns it; that module defines ``configure_parser(parser)``
 and ``run_cli(args) -> int``. Only the chosen verb's module is imported.
+
+This file imports only the standard library: the console script (top-level ``meshkit_cli``) loads it
+from its file for ``meshkit --help`` without importing the meshkit package (and so Lightning).
+
+Example::
+
+    >>> from meshkit.cli import main
+    >>> main(["bubble", "-p", "4", "-m", "8"])  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ VERBS: dict[str, tuple[str, str]] = {
         "pipeline bubble: theory, schedule simulator, measured bubble from a run's pp_timeline",
     ),
     "occupancy": (
-        "meshkit.profiling.occupancy",
+        "meshkit.profiling.occupancy.cli",
         "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",
     ),
 }

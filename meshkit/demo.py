@@ -50,9 +50,13 @@ def run_demo(
     config = LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=seq_len)
     logger = TensorBoardLogger(logdir, name="demo")
     callbacks = _profiling_callbacks()
+    # The data holds `steps` batches for every rank (enough when all ranks are data parallel); ranks of one
+    # tp/cp/pp group share batches, so a rank's sampler sees more than `steps`. limit_train_batches makes the
+    # epoch exactly `steps` batches on every preset, and the progress bar ends at steps/steps.
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, max_epochs=1, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, callbacks=callbacks, limit_val_batches=0,
+        limit_train_batches=steps,
     )
     data = TokenDataModule(num_sequences=steps * batch_size * devices, seq_len=seq_len, batch_size=batch_size)
     trainer.fit(LlamaLM(config, lr=3e-3), data)

@@ -66,20 +66,21 @@ if HAS_TRITON:
         mask = cols < N
         w = tl.cast(tl.load(W + cols, mask=mask, other=0.0), tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # The loop stops at the last row instead of masking rows past it: a block mask `&`-ed with a scalar
+        # `row < n_rows` reaches tl.load as an int32 mask under the interpreter, which triton 3.9 rejects
+        # ("mask has unsupported dtype"); every load below is masked by `cols < N` alone.
         first = tl.cast(pid, tl.int64) * rows_per_program
-        for i in range(0, rows_per_program):
-            row = first + i
-            live = row < n_rows
-            m = mask & live
-            dy = tl.cast(tl.load(DY + row * stride_dy + cols, mask=m, other=0.0), tl.float32)
-            x = tl.cast(tl.load(X + row * stride_x + cols, mask=m, other=0.0), tl.float32)
-            rstd = tl.load(RSTD + row, mask=live, other=0.0)
+        last = tl.minimum(first + rows_per_program, n_rows)
+        for row in range(first, last):
+            dy = tl.cast(tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0), tl.float32)
+            x = tl.cast(tl.load(X + row * stride_x + cols, mask=mask, other=0.0), tl.float32)
+            rstd = tl.load(RSTD + row)
             xhat = x * rstd
             g = dy * w
             dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / tl.cast(N, tl.float32)))
             if HAS_DRES:
-                dx += tl.cast(tl.load(DRES + row * stride_dres + cols, mask=m, other=0.0), tl.float32)
-            tl.store(DX + row * stride_dx + cols, tl.cast(dx, DX.dtype.element_ty), mask=m)
+                dx += tl.cast(tl.load(DRES + row * stride_dres + cols, mask=mask, other=0.0), tl.float32)
+            tl.store(DX + row * stride_dx + cols, tl.cast(dx, DX.dtype.element_ty), mask=mask)
             dw += dy * xhat
         tl.store(DW_PART + tl.cast(pid, tl.int64) * N + cols, dw, mask=mask)
 

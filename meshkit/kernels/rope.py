@@ -1,4 +1,5 @@
-"""Rotary position embedding from explicit positions: Triton kernel, torch reference, custom op, autograd.
+"""Rotary position embedding from explicit positions: Triton kernel, torch reference, custom op, autograd,
+and the rotary tables (:func:`rope_cos_sin`) and eager rotation (:func:`apply_rope`) models use.
 
 For each pair ``(x1, x2)`` and angle ``a = position * theta ** (-2i / head_dim)``:
 ``(x1 cos a - x2 sin a, x2 cos a + x1 sin a)``. Pairs are ``(x[i], x[i + D/2])`` (HF rotate-half, default)
@@ -13,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ._backend import HAS_TRITON, block_size, check_float, check_same, is_dtensor, tl, triton, use_triton
 
-__all__ = ["rope"]
+__all__ = ["rope", "rope_cos_sin", "apply_rope", "half_cos_sin", "rotate_with_cos_sin"]
 
 if HAS_TRITON:
 
@@ -95,17 +96,81 @@ def _backward(ctx, dy):
 _rope_rotate.register_autograd(_backward, setup_context=_setup_context)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin (Bc, T, head_dim/2) fp32 of the rotary angles for positions (T,) or (B, T)."""
+def _angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """Rotary angles ``position * theta ** (-2i / head_dim)`` (..., T, head_dim/2) fp32: the one formula."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[..., None] * inv_freq
+    return positions.to(torch.float32)[..., None] * inv_freq
+
+
+def _half_table(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (Bc, T, head_dim/2) fp32 for positions (T,) or (B, T): the kernel's input."""
+    angles = _angles(positions, head_dim, theta)
     if angles.dim() == 2:
         angles = angles[None]
     return angles.cos(), angles.sin()
 
 
-def rotate_with_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Apply rope to one local tensor (B, T, H, D) given half-width cos/sin (Bc, T, D/2) (used by patching)."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles for explicit ``positions`` (T,) or (B, T) -> (..., T, head_dim) fp32.
+
+    Rotate-half layout, as HF: both halves of the last dim hold the same angles. Feed them to
+    :func:`apply_rope` (torch) or, halved by :func:`half_cos_sin`, to :func:`rotate_with_cos_sin` (kernel).
+
+    Example::
+
+        >>> import torch
+        >>> from meshkit.kernels import rope_cos_sin
+        >>> cos, sin = rope_cos_sin(torch.arange(5), head_dim=8, theta=10000.0)
+        >>> cos.shape, bool(cos[0].eq(1).all())
+        (torch.Size([5, 8]), True)
+    """
+    angles = _angles(positions, head_dim, theta)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Eager torch rope: rotate ``x`` (B, T, H, D) by :func:`rope_cos_sin` tables (T, D) or (B, T, D).
+
+    HF rotate-half convention, fp32 inside, written independently of the kernel's reference so tests
+    can check one against the other. The demo model's unpatched attention runs this.
+
+    Example::
+
+        >>> import torch
+        >>> from meshkit.kernels import apply_rope, rope_cos_sin
+        >>> x = torch.randn(1, 3, 2, 8)
+        >>> cos, sin = rope_cos_sin(torch.zeros(3, dtype=torch.long), 8, 10000.0)
+        >>> torch.equal(apply_rope(x, cos, sin), x)  # position 0: no rotation
+        True
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).type_as(x)
+
+
+def half_cos_sin(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos/sin (T, D) or (B, T, D) -> (Bc, T, D/2) for :func:`rotate_with_cos_sin`.
+
+    Both halves of a rotate-half table hold the same angles, so the first half is kept.
+    """
+    cos, sin = cos[..., : head_dim // 2], sin[..., : head_dim // 2]
+    return (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)
+
+
+def rotate_with_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Fused rope of ``x`` (B, T, H, D) given half-width cos/sin (Bc, T, D/2) (see :func:`half_cos_sin`).
+
+    A DTensor ``x`` (e.g. heads-sharded projections with ``use_local_output=False``) is rotated locally
+    and keeps its placements. Model patching (:mod:`meshkit.integrations`) calls this.
+    """
+    if is_dtensor(x):
+        y = _rope_rotate(x.to_local(), cos.float(), sin.float(), interleaved, False)
+        return DTensor.from_local(y, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
     return _rope_rotate(x, cos.float(), sin.float(), interleaved, False)
 
 
@@ -147,7 +212,7 @@ def rope(
     """
     _check(q, k, positions)
     if not (is_dtensor(q) or is_dtensor(k)):
-        cos, sin = rope_cos_sin(positions, q.shape[-1], theta)
+        cos, sin = _half_table(positions, q.shape[-1], theta)
         return (_rope_rotate(q, cos, sin, interleaved, False), _rope_rotate(k, cos, sin, interleaved, False))
     if not (is_dtensor(q) and is_dtensor(k)) or q.device_mesh != k.device_mesh:
         raise ValueError("rope: `q` and `k` must both be DTensors on one mesh, or both plain tensors.")
@@ -171,7 +236,7 @@ def rope(
     else:
         positions = DTensor.from_local(positions, mesh, [Replicate()] * mesh.ndim, run_check=False)
         positions = positions.redistribute(mesh, pos_place).to_local()
-    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)
+    cos, sin = _half_table(positions, q.shape[-1], theta)
     out = []
     for t in (q, k):
         y = _rope_rotate(t.to_local(), cos, sin, interleaved, False)

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +23,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from meshkit.kernels.rope import apply_rope, rope_cos_sin
 
 __all__ = ["LlamaConfig", "Transformer", "LlamaLM", "TokenDataModule", "synthetic_tokens"]
 
@@ -71,25 +72,6 @@ class LlamaConfig:
         return cls(**{"vocab_size": 256, "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, **overrides})
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles for explicit ``positions`` (T,) or (B, T) -> (..., T, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # (..., T, head_dim/2)
-    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout, as HF
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, T, H, D) by angles given as (T, D) or (B, T, D) cos/sin (HF rotate-half convention)."""
-    if cos.dim() == 2:
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    else:
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).type_as(x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -117,7 +99,7 @@ class Attention(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary embedding of q, k (B, T, H, D); ``meshkit.kernels`` swaps its fused kernel in here."""
+        """Rotary embedding of q, k (B, T, H, D); ``meshkit.integrations`` swaps the fused kernel in here."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,6 +145,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only Llama: embeddings, ``n_layers`` blocks in ``layers`` (a ModuleDict), norm, LM head."""
 
+    fused_loss: bool = False
+    """True on an instance whose forward was patched (``meshkit.integrations.apply_fused_kernels``) to
+    accept ``labels=`` and return the fused loss; :class:`LlamaLM` reads it."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -173,13 +159,32 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab). ``positions`` (T,) or (B, T) default to 0..T-1."""
+        return self.output(self.final_hidden(tokens, positions))
+
+    def final_hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> normed hidden states (B, T, dim) before the LM head (the fused loss starts here).
+
+        ``positions`` default to 0..T-1 of the tokens (not of the embeddings, which sequence
+        parallelism shards).
+        """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        return self.norm(self.forward_blocks(self.tok_embeddings(tokens), positions))  # (B, T, dim)
+
+    def forward_blocks(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every block in ``layers`` on hidden states ``h`` (B, T, dim) -> (B, T, dim).
+
+        The one block loop: :meth:`forward` (through :meth:`final_hidden`), the pipeline stage forward
+        (on a stage holding some of the blocks) and the fused-loss root forward of
+        :mod:`meshkit.integrations` all call it. ``positions`` (T,) or (B, T) default to 0..T-1 with
+        T = ``h.shape[1]``; the rotary tables are built once for all blocks.
+        """
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # (..., T, head_dim)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        return h
 
 
 class LlamaLM(L.LightningModule):
@@ -210,9 +215,8 @@ class LlamaLM(L.LightningModule):
             inputs, labels = batch["input_ids"], batch["labels"]
         else:
             inputs, labels = batch[:, :-1], batch[:, 1:]
-        kernels = sys.modules.get("meshkit.kernels")  # only a patched model can use it, and patching imported it
-        if kernels is not None and kernels.uses_fused_loss(self.model):
-            # meshkit.kernels patched the root: the fused loss never materializes the (tokens × vocab) logits.
+        if self.model.fused_loss:
+            # meshkit.integrations patched the root: the fused loss never materializes the (tokens × vocab) logits.
             return self.model(inputs, labels=labels)
         logits = self(inputs)
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))

@@ -94,7 +94,7 @@ def parallelize(
     config = config if config is not None else ParallelConfig()
     # 1. Fused kernels, on the plain model: the patched forwards then work on DTensor weights.
     if config.fused_kernels:
-        from meshkit.kernels import apply_fused_kernels
+        from meshkit.integrations import apply_fused_kernels
 
         apply_fused_kernels(module)
     # 2. Pipeline split: everything below runs on this rank's stages only.

@@ -33,9 +33,12 @@ import functools
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
+from meshkit.modelspec import read_shape
+from meshkit.schedules import canonical_schedule, default_virtual_stages, theoretical_bubble
 
 __all__ = [
     # inputs
@@ -78,7 +81,9 @@ __all__ = [
 ]
 
 GiB = float(2**30)
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""The schedules the planner models (:mod:`meshkit.schedules` names; interleaved_zero_bubble at one
+stage per rank is ZB-H1). Aliases such as "interleaved" and "zero_bubble" are accepted."""
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
 
 
@@ -183,8 +188,9 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, params: float | None = None) -> "ModelSpec":
-        """From a meshkit ``LlamaConfig``, a Hugging Face config (Llama-style fields), a module with ``.config``
-        or containing one (a LightningModule around an HF model), or a ``ModelSpec`` (returned as is).
+        """From anything :func:`meshkit.modelspec.read_shape` reads (a meshkit ``LlamaConfig``, a Hugging Face
+        config, torchtitan-style args, a module with ``.config`` or containing one, e.g. a LightningModule
+        around an HF model), or a ``ModelSpec`` (returned as is).
 
         Example::
 
@@ -194,28 +200,16 @@ class ModelSpec:
         """
         if isinstance(config, ModelSpec):
             return config
-        if hasattr(config, "n_layers") and hasattr(config, "dim"):  # meshkit LlamaConfig
-            return cls(layers=config.n_layers, hidden=config.dim, heads=config.n_heads, kv_heads=config.n_kv_heads,
-                       ffn=config.ffn_dim, vocab=config.vocab_size, params=params)
-        if hasattr(config, "num_hidden_layers") and hasattr(config, "hidden_size"):  # Hugging Face
-            heads = config.num_attention_heads
-            return cls(layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
-                       kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                       ffn=getattr(config, "intermediate_size", None), vocab=config.vocab_size, params=params,
-                       tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-        inner = getattr(config, "config", None)
-        if inner is not None and inner is not config and not isinstance(inner, dict):
-            return cls.from_config(inner, params)
-        if callable(getattr(config, "modules", None)):  # an nn.Module wrapping a configured model
-            for module in config.modules():
-                cfg = getattr(module, "config", None)
-                if cfg is not None and module is not config and not isinstance(cfg, dict):
-                    return cls.from_config(cfg, params)
-        raise ValueError(
-            f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
-            "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
-            "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
-        )
+        try:
+            shape = read_shape(config)
+        except ValueError as exc:
+            raise ValueError(
+                f"ModelSpec.from_config: `config={type(config).__name__}` has neither meshkit LlamaConfig fields "
+                "(n_layers, dim, n_heads) nor Hugging Face ones (num_hidden_layers, hidden_size, num_attention_heads). "
+                "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
+            ) from exc
+        return cls(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
+                   ffn=shape.ffn, vocab=shape.vocab, params=params, tied_embeddings=shape.tied_embeddings)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -246,47 +240,34 @@ class GpuSpec:
     """Regexes on the upper-cased, space-separated device string (e.g. torch.cuda.get_device_name())."""
 
 
-# Memory and its bandwidth: vendor datasheets (H100 SXM 3.35 TB/s, PCIe 2.0; H200 4.8; A100 40 GB 1.555,
-# 80 GB 2.039; B200 8; MI300X 5.3; L40S 0.864). Links: NVLink per-direction (half the bidirectional
-# figure NVIDIA quotes: NVLink4 900 GB/s -> 450, NVLink3 600 -> 300, NVLink5 1.8 TB/s -> 900), PCIe Gen5 x16 ~ 64 GB/s,
-# Infinity Fabric 7 x 64 GB/s on MI300X; inter-node one 400 Gb/s NIC per GPU (ConnectX-7) -> 50 GB/s,
-# 200 Gb/s HDR on A100 pods -> 25 GB/s. The CPU row is a nominal gloo rank (shared memory in a node,
-# 10 GbE between nodes, a 20 GB/s share of DDR); its memory is taken from the host when planning for a CPU world.
-GPU_TABLE: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec("h100-pcie", 80, 2000, 64, 50, "NVIDIA H100 PCIe", (r"\bH100\b.*\bPCIE\b",)),
-        GpuSpec("h100-sxm", 80, 3350, 450, 50, "NVIDIA H100 SXM", (r"\bH100\b", r"\bH800\b")),
-        GpuSpec("h200", 141, 4800, 450, 50, "NVIDIA H200", (r"\bH200\b",)),
-        GpuSpec("a100-40gb", 40, 1555, 300, 25, "NVIDIA A100-SXM4-40GB", (r"\bA100\b.*\b40GB\b",)),
-        GpuSpec("a100-80gb", 80, 2039, 300, 25, "NVIDIA A100-SXM4-80GB", (r"\bA100\b",)),
-        GpuSpec("b200", 180, 8000, 900, 50, "NVIDIA B200", (r"\bB200\b",)),
-        GpuSpec("mi300x", 192, 5300, 448, 50, "AMD Instinct MI300X", (r"\bMI300X\b",)),
-        GpuSpec("l40s", 48, 864, 32, 25, "NVIDIA L40S", (r"\bL40S\b",)),
-        GpuSpec("cpu", 16, 20, 10, 1.25, "cpu", (r"\bCPU\b",)),
-    )
-}
+def _gpu_spec(row: Gpu) -> GpuSpec:
+    return GpuSpec(row.key, row.memory_gb, row.hbm_bw_gbs, row.intra_bw_gbs, row.inter_bw_gbs, row.name,
+                   row.patterns)
+
+
+_PLANNER_FACTS = ("memory_gb", "hbm_bw_gbs", "intra_bw_gbs", "inter_bw_gbs")
+
+GPU_TABLE: dict[str, GpuSpec] = {row.key: _gpu_spec(row) for row in CATALOG if all(
+    getattr(row, f) is not None for f in _PLANNER_FACTS)}
+"""The rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that know memory and links, by key."""
 
 
 def gpu_spec(name: str) -> GpuSpec:
-    """Look up a GPU by table key (``"h100-sxm"``) or by a device string (``"NVIDIA H100 80GB HBM3"``).
+    """Look up a GPU by table key (``"h100-sxm"``) or by a device string (``"NVIDIA H100 80GB HBM3"``),
+    with the catalog's matcher (:func:`meshkit.hardware.find_gpu`; rows added by ``register_gpu`` included).
 
     Example::
 
         >>> gpu_spec("NVIDIA H100 80GB HBM3").name, gpu_spec("h200").memory_gb
         ('h100-sxm', 141)
     """
-    key = str(name).strip().lower()
-    if key in GPU_TABLE:
-        return GPU_TABLE[key]
-    norm = " ".join(re.sub(r"[^A-Z0-9]+", " ", str(name).upper()).split())
-    for spec in GPU_TABLE.values():
-        if any(re.search(p, norm) for p in spec.patterns):
-            return spec
-    raise ValueError(
-        f"gpu_spec: `gpu={name!r}` is not in the planner's GPU table ({', '.join(GPU_TABLE)}). "
-        "Use one of those names, or pass memory_gb=, intra_bw_gbs=, inter_bw_gbs= and peak_tflops= explicitly."
-    )
+    row = find_gpu(str(name), has=_PLANNER_FACTS)
+    if row is None:
+        raise ValueError(
+            f"gpu_spec: `gpu={name!r}` is not in the planner's GPU table ({', '.join(GPU_TABLE)}). "
+            "Use one of those names, or pass memory_gb=, intra_bw_gbs=, inter_bw_gbs= and peak_tflops= explicitly."
+        )
+    return _gpu_spec(row)
 
 
 def _peak_flops(spec: GpuSpec | None, device: str, dtype: str) -> float:
@@ -372,33 +353,29 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     """
     if pp == 1 or schedule == "none":
         return 1
-    if schedule == "gpipe":
+    name = canonical_schedule(schedule)
+    if name == "gpipe":
         return microbatches
-    if schedule in ("1f1b", "zero_bubble"):
+    if name in ("1f1b", "interleaved_zero_bubble"):
         return min(pp, microbatches)
-    if schedule == "interleaved":
+    if name == "interleaved_1f1b":
         return pp * (1 + (pp - 1) / (pp * virtual_stages))
-    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` must be one of {SCHEDULES}.")
+    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 
-def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
-    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)).
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> float:
+    """Share of a step each stage sits idle in the pipeline bubble (bubble / (work + bubble)):
+    :func:`meshkit.schedules.theoretical_bubble` (forward = input-grad = weight-grad time), 0 without a pipeline.
 
-    In units of one micro-batch's forward+backward on one stage, the work is m and the bubble is:
-    GPipe and 1F1B p − 1 (Huang et al. 2019; Narayanan et al. 2021 §2.2); interleaved 1F1B (p − 1)/v
-    (Narayanan et al. 2021 §2.2.2); zero bubble ZB-H1 (p − 1)(T_F + T_B − T_W) = (p − 1)/3 with
-    T_F = T_B = T_W (Qi et al. 2023 §3).
+    ``virtual_stages`` None: 2 for interleaved 1F1B, 1 for the single-stage schedules and ZB-H1 ("zero_bubble").
 
     >>> bubble_fraction("1f1b", 4, 12)   # 3 / (12 + 3)
     0.2
     """
     if pp == 1 or schedule == "none":
         return 0.0
-    idle = {"gpipe": pp - 1, "1f1b": pp - 1, "interleaved": (pp - 1) / virtual_stages,
-            "zero_bubble": (pp - 1) / 3}.get(schedule)
-    if idle is None:
-        raise ValueError(f"bubble_fraction: `schedule={schedule!r}` must be one of {SCHEDULES}.")
-    return idle / (microbatches + idle)
+    v = default_virtual_stages(schedule) if virtual_stages is None else virtual_stages
+    return theoretical_bubble(schedule, pp, microbatches, v)
 
 
 def ring_allreduce_bytes(size_bytes: float, n: int) -> float:
@@ -568,9 +545,9 @@ def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq
     return 6 * matmul_params + 12 * layers * hidden * seq
 
 
-# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: about the H100 SXM's 295 (989.4 TFLOP/s over
-# 3.35 TB/s); recent accelerators sit between ~150 (A100, MI250X) and ~400 (L4, L40S).
-DEFAULT_RIDGE = 300.0
+# Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: the H100 SXM's 295 (989.4 TFLOP/s over
+# 3.35 TB/s) rounded to 300; recent accelerators sit between ~150 (A100, MI250X) and ~400 (L4, L40S).
+DEFAULT_RIDGE = float(round(gpu("h100-sxm").ridge("bf16"), -2))
 
 
 def roofline_efficiency(ridge: float, *dims: float) -> float:
@@ -716,7 +693,7 @@ class Layout:
         return f"largest loss: {_loss_phrase(self, key)}, {worst / self.step_time_s:.0%} of the step; {mem}"
 
     def describe(self) -> str:
-        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved(v=4) m=16 ac=full``."""
+        """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved_1f1b(v=4) m=16 ac=full``."""
         axes = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
         parts = [f"{a}={getattr(self, a)}" for a in axes if getattr(self, a) > 1]
         parts.append(f"zero{self.zero_stage}")
@@ -917,9 +894,9 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
 
     runs: list[tuple[str, int]] = [("none", 1)]
     if p > 1:  # interleaved needs v·p chunks of ≥ 1 layer and m a multiple of p (Megatron-LM's rule)
-        runs = [(s, 1) for s in ctx.schedules if s != "interleaved"] + [
-            ("interleaved", v) for v in ctx.virtual_stages
-            if "interleaved" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
+        runs = [(s, 1) for s in ctx.schedules if s != "interleaved_1f1b"] + [
+            ("interleaved_1f1b", v) for v in ctx.virtual_stages
+            if "interleaved_1f1b" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
 
     out: list[Layout] = []
@@ -1091,19 +1068,26 @@ def format_table(layouts: Sequence[Layout]) -> str:
         >>> table.splitlines()[0].split()[:6], len(table.splitlines())
         (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 2)
     """
-    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<11} {'m':>3}   "
+    head = (f"{'#':<3} {'rep':>3} {'shard':>5} {'pp':>3} {'cp':>3} {'tp':>3} {'zero':>4} {'sched':<23} {'m':>3}   "
             f"{'ac':<9} {'mem GB':>7} {'act GB':>7} {'bubble':>7} {'tp/comp':>8} {'mm eff':>6} {'step s':>7} "
             f"{'MFU':>5}  fits  reason")
     lines = [head]
     for i, lay in enumerate(layouts, 1):
         lines.append(
             f"{i:<3} {lay.dp_replicate:>3} {lay.dp_shard:>5} {lay.pp:>3} {lay.cp:>3} {lay.tp:>3} {lay.zero_stage:>4} "
-            f"{lay.schedule:<11} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
+            f"{lay.schedule:<23} {lay.microbatches:>3}   {lay.activation_checkpointing:<9} {lay.memory_gb:>7.1f} "
             f"{lay.activation_gb:>7.1f} {lay.bubble_fraction:>7.1%} {lay.tp_comm_ratio:>8.3f} "
             f"{lay.matmul_efficiency:>6.0%} {lay.step_time_s:>7.3g} {lay.predicted_mfu:>5.1%}  "
             f"{'yes' if lay.feasible else 'no ':<4}  {lay.reason}"
         )
     return "\n".join(lines)
+
+
+def _canonical_schedules(value: Any) -> Any:
+    if value is None or value == "auto":
+        return value
+    values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+    return tuple(canonical_schedule(v) for v in values)
 
 
 def _as_tuple(value: Any, allowed: Sequence[Any], name: str, auto: tuple) -> tuple:
@@ -1195,7 +1179,7 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         inter=(inter * 1e9, inter_latency_us * 1e-6), peak=peak, achieved=achieved, ridge=float(roofline_ridge),
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
-        schedules=_as_tuple(schedule, SCHEDULES, "schedule", SCHEDULES),
+        schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
         virtual_stages=tuple(virtual_stages), flash=flash_attention, sp=sequence_parallel,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
@@ -1289,8 +1273,10 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
         4
     """
     if seq_len is None:
-        cfg = _find_config(model)
-        seq_len = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)
+        try:
+            seq_len = read_shape(model).max_seq_len
+        except ValueError:
+            seq_len = None
         if seq_len is None:
             raise ValueError(
                 "auto_nd_dims: the model's config has no `max_seq_len` / `max_position_embeddings`; "
@@ -1307,19 +1293,6 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
                             zero_stage=zero, sequence_parallel=sequence_parallel,
                             activation_checkpointing=activation_checkpointing, log=log, **kwargs)
     return layout.to_parallel_dims()
-
-
-def _find_config(model: Any) -> Any:
-    if hasattr(model, "max_seq_len") or hasattr(model, "max_position_embeddings"):
-        return model
-    inner = getattr(model, "config", None)
-    if inner is not None and inner is not model:
-        return _find_config(inner)
-    for module in getattr(model, "modules", lambda: ())():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and module is not model:
-            return cfg
-    return None
 
 
 # ============================================================================ CLI
@@ -1356,7 +1329,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="ZeRO stage over dp_shard (0: DDP only; default: try 1, 2 and 3)")
-    g.add_argument("--schedule", choices=SCHEDULES, default=None, help="pipeline schedule (default: try all)")
+    g.add_argument("--schedule", type=canonical_schedule, default=None,
+                   help=f"pipeline schedule, one of {', '.join(SCHEDULES)} or an alias (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Union
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
+from meshkit.plugins.context_parallel import check_cp_heads
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import mixed_precision_policy
 from meshkit.plugins.tensor_parallel import model_shape
@@ -172,18 +173,10 @@ def resolve_layout(
             f"NDParallelStrategy: `pp={dims.pp}` with `cp={dims.cp}` is not supported yet: the pipeline stages do not "
             "shard sequences. Use cp=1 with pp, or pp=1 with cp."
         )
-    # merge: use context_parallel.check_cp_heads
-    # Ulysses needs each TP rank's heads divisible by cp.
-    if dims.cp_enabled and config.cp_attention == "ulysses" and model is not None:
+    if dims.cp_enabled and model is not None:  # Ulysses splits each TP rank's heads over cp
         heads, kv_heads, _ = model_shape(model)
         if heads is not None:
-            local, local_kv = heads // dims.tp, max(1, (kv_heads or heads) // dims.tp)
-            if local % dims.cp or (local_kv % dims.cp and dims.cp % local_kv):
-                raise ValueError(
-                    f"NDParallelStrategy: `cp_attention='ulysses'` with `cp={dims.cp}` and `tp={dims.tp}` needs the "
-                    f"heads per TP rank ({local}) divisible by cp and the kv heads per TP rank ({local_kv}) a "
-                    "multiple or divisor of cp. Use cp_attention='ring' or 'allgather', or a smaller cp."
-                )
+            check_cp_heads(heads, kv_heads, dims.tp, dims.cp, config.cp_attention, owner="NDParallelStrategy")
     return dims
 
 

@@ -42,10 +42,10 @@ from typing_extensions import override
 from meshkit.plugins import checkpointing as _ckpt
 from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins import fsdp as _fsdp
-from meshkit.plugins._pp_lightning import PipelineHooks
 from meshkit.plugins.activation_checkpoint import ACMode
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.parallelize import ParallelConfig, parallelize
+from meshkit.plugins.pipeline.lightning import PipelineHooks
 from meshkit.plugins.presets import PRESETS, Size, resolve_layout
 from meshkit.plugins.tensor_parallel import PlanEntry
 
@@ -73,9 +73,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
         cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
         fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
-            (:func:`meshkit.kernels.apply_fused_kernels`) before parallelizing.
+            (:func:`meshkit.integrations.apply_fused_kernels`) before parallelizing.
         pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
-            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins._pp_lightning`.
+            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins.pipeline.lightning`.
 
     Example::
 
@@ -138,7 +138,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self.parallel_config = config
         """Every setting of the automatic path; ``precision`` is filled in ``setup_environment``."""
         self._parallel_dims: Optional[ParallelDims] = None
-        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins._pp_lightning).
+        # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins.pipeline.lightning).
         self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -283,11 +283,6 @@ class NDParallelStrategy(ModelParallelStrategy):
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     # ---- context parallelism --------------------------------------------------------------------
-    def _check_cp(self, dims: ParallelDims) -> None:
-        """The Ulysses head check for ``dims`` (kept for callers; the check lives in ``resolve_layout``)."""
-        resolve_layout(self.preset, dims.degrees, self.parallel_config, world_size=dims.world_size, num_nodes=1,
-                       model=self.lightning_module)
-
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``."""

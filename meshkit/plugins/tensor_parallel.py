@@ -49,6 +49,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshkit.modelspec import read_shape
+
 __all__ = ["infer_tp_plan", "apply_tp", "model_shape", "PlanEntry", "LocalShardNorm"]
 
 PlanEntry = Union[str, ParallelStyle]
@@ -60,18 +62,18 @@ _NORM_TYPES = ("RMSNorm", "LayerNorm")
 
 
 def model_shape(model: nn.Module) -> tuple[int | None, int | None, int | None]:
-    """(attention heads, kv heads, hidden size) read from an HF or torchtitan-style config, else Nones."""
-    for module in model.modules():
-        cfg = getattr(module, "config", None) or getattr(module, "model_args", None) or getattr(module, "args", None)
-        if cfg is None or isinstance(cfg, dict):
-            continue
-        heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
-        if heads is None:
-            continue
-        kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or heads
-        hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "dim", None)
-        return int(heads), int(kv), (int(hidden) if hidden is not None else None)
-    return None, None, None
+    """(attention heads, kv heads, hidden size) of the config ``model`` holds
+    (:func:`meshkit.modelspec.read_shape`), else Nones.
+
+    >>> from meshkit.models import LlamaConfig, Transformer
+    >>> model_shape(Transformer(LlamaConfig.tiny()))
+    (4, 2, 64)
+    """
+    try:
+        shape = read_shape(model)
+    except ValueError:
+        return None, None, None
+    return shape.heads, shape.kv_heads, shape.hidden
 
 
 def _style(entry: PlanEntry, name: str) -> ParallelStyle | None:

@@ -6,14 +6,10 @@ idle time is the step's span minus the time it spent executing pipeline actions.
 Action letters: ``F`` forward, ``B`` full backward, ``I`` input-gradient backward and ``W``
 weight-gradient backward (zero-bubble schedules split ``B`` into ``I`` + ``W``).
 
-**Timeline record** (written by meshkit's pipeline plugin, read here without importing it):
-JSON Lines files ``pp_timeline_rank{R}.jsonl`` in one directory (the run's
-``<log_dir>/pp_timeline/``), one object per executed action::
-
-    {"step": 3, "rank": 1, "stage": 1, "microbatch": 0, "action": "F",
-     "start_ns": 1234567, "end_ns": 1334567}
-
-times from ``time.perf_counter_ns()`` (monotonic; comparable across processes of one host).
+Schedule names, the closed-form theory and the timeline record are the ground floor's:
+:mod:`meshkit.schedules` (torch's names; "interleaved" and "zero-bubble" are aliases) and
+:mod:`meshkit.timeline` (``pp_timeline_rank{R}.jsonl``, written by the pipeline plugin and read
+here without importing it; ``read_timeline`` and ``TimelineRecord`` are re-exported).
 
 Example::
 
@@ -27,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+
+from meshkit.schedules import SCHEDULE_FACTS, SCHEDULE_NAMES, canonical_schedule, step_time
+from meshkit.timeline import TimelineRecord, find_timeline_dir, read_timeline
 
 __all__ = [
     "SCHEDULES",
@@ -54,26 +51,27 @@ __all__ = [
     "run_cli",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-_ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "interleaved1f1b": "interleaved",
-            "interleaved-1f1b": "interleaved", "zero-bubble": "zero-bubble", "zb": "zero-bubble",
-            "zbh1": "zero-bubble", "zb-h1": "zero-bubble", "zerobubble": "zero-bubble"}
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""Schedules :func:`schedule_orders` builds (interleaved_zero_bubble with one stage per rank: ZB-H1);
+:func:`theoretical_bubble` takes every name of :data:`meshkit.schedules.SCHEDULE_NAMES`."""
 
 
 def _schedule_name(schedule: str) -> str:
-    key = str(schedule).lower().replace("_", "-")
-    if key not in _ALIASES:
-        raise ValueError(f"bubble: `schedule={schedule!r}` is unknown; choose one of {SCHEDULES}.")
-    return _ALIASES[key]
+    try:
+        return canonical_schedule(schedule)
+    except ValueError:
+        raise ValueError(f"bubble: `schedule={schedule!r}` is unknown; choose one of {SCHEDULE_NAMES} "
+                         "(aliases: interleaved, zero-bubble).") from None
 
 
 def _check_sizes(p: int, m: int, v: int, schedule: str) -> None:
     for name, value in (("stages", p), ("microbatches", m), ("virtual", v)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"bubble: `{name}={value!r}` must be an int >= 1.")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError(f"bubble: `virtual={v}` needs `schedule='interleaved'` (got {schedule!r}); use -v 1.")
-    if schedule == "interleaved" and m % p:
+    if not SCHEDULE_FACTS[schedule].multi_stage and v != 1:
+        raise ValueError(f"bubble: `virtual={v}` needs a multi-stage schedule such as 'interleaved_1f1b' "
+                         f"(got {schedule!r}); use -v 1.")
+    if schedule == "interleaved_1f1b" and m % p:  # the simulator's order; torch itself runs any m (meshkit.schedules)
         raise ValueError(
             f"bubble: the interleaved schedule needs `microbatches={m}` to be a multiple of `stages={p}` "
             "(Megatron's rule); choose m = k·p."
@@ -84,12 +82,9 @@ def _check_times(tf: float, tb: float, tw: float | None, schedule: str) -> None:
     for name, value in (("tf", tf), ("tb", tb)):
         if not value > 0:
             raise ValueError(f"bubble: `{name}={value!r}` must be > 0 (time of one microbatch's {name[1:].upper()}).")
-    if schedule == "zero-bubble":
-        if tw is None or not tw > 0:
-            raise ValueError(f"bubble: `tw={tw!r}`: the zero-bubble schedule needs the weight-grad time --tw > 0 "
-                             "(and --tb is then the input-grad time).")
-        if tw > tf + tb:
-            raise ValueError(f"bubble: `tw={tw}` > `tf + tb = {tf + tb}`: ZB-H1's formula assumes W ≤ F + B.")
+    if SCHEDULE_FACTS[schedule].split_backward and (tw is None or not tw > 0):
+        raise ValueError(f"bubble: `tw={tw!r}`: the zero-bubble schedules need the weight-grad time --tw > 0 "
+                         "(and --tb is then the input-grad time).")
 
 
 # ---------------------------------------------------------------------------------- theory
@@ -97,28 +92,21 @@ def _check_times(tf: float, tb: float, tw: float | None, schedule: str) -> None:
 
 def theoretical_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1,
                        tf: float = 1.0, tb: float = 2.0, tw: float | None = None) -> dict[str, float]:
-    """Closed-form step time and bubble for uniform stages (times are per microbatch per stage).
-
-    - gpipe, 1f1b: total = (m + p − 1)(tf + tb); bubble = (p − 1)/(m + p − 1)  (GPipe; PipeDream-Flush).
-    - interleaved (v chunks per rank, each tf/v, tb/v): total = (m + (p − 1)/v)(tf + tb);
-      bubble = (p − 1)/(v·m + p − 1)  (Narayanan et al. 2021, §2.2.2).
-    - zero-bubble ZB-H1 (tb = input-grad, tw = weight-grad): total = m(tf + tb + tw) + (p − 1)(tf + tb − tw)
-      (Qi et al. 2024, §3.1).
+    """Closed-form step time and bubble for uniform stages: :func:`meshkit.schedules.step_time` (the
+    formulas and their sources), with times per microbatch per rank in this CLI's convention: ``tb``
+    is the full backward, or for the zero-bubble schedules the input-grad time beside ``tw``.
+    gpipe/1f1b (p − 1)/(m + p − 1); interleaved (p − 1)/(v·m + p − 1); ZB-H1 total
+    m(tf + tb + tw) + (p − 1)(tf + tb − tw), plus (p − m)·tw when m < p.
 
     >>> theoretical_bubble("gpipe", stages=2, microbatches=2, tf=1, tb=1)
     {'total_time': 6.0, 'ideal_time': 4.0, 'bubble_fraction': 0.3333333333333333}
     """
     s = _schedule_name(schedule)
-    p, m, v = stages, microbatches, virtual
-    _check_sizes(p, m, v, s)
+    _check_sizes(stages, microbatches, virtual, s)
     _check_times(tf, tb, tw, s)
-    if s == "zero-bubble":
-        ideal = m * (tf + tb + tw)
-        total = ideal + (p - 1) * (tf + tb - tw)
-    else:
-        ideal = m * (tf + tb)
-        total = (m + (p - 1) / v) * (tf + tb)
-    return {"total_time": float(total), "ideal_time": float(ideal), "bubble_fraction": float((total - ideal) / total)}
+    split = SCHEDULE_FACTS[s].split_backward
+    total, ideal = step_time(s, stages, microbatches, virtual, tf=tf, tb=tb, tw=tw if split else 0.0)
+    return {"total_time": total, "ideal_time": ideal, "bubble_fraction": (total - ideal) / total}
 
 
 # ------------------------------------------------------------------------------- simulator
@@ -142,6 +130,10 @@ def _interleaved_index(k: int, p: int, v: int, forward: bool) -> tuple[int, int]
     return chunk, mb
 
 
+def _has_order(schedule: str, virtual: int) -> bool:
+    return schedule in SCHEDULES and not (schedule == "interleaved_zero_bubble" and virtual != 1)
+
+
 def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """The per-rank action order of a schedule (``stage`` is the virtual stage, ``chunk·p + rank``).
 
@@ -151,12 +143,15 @@ def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int 
     s = _schedule_name(schedule)
     p, m, v = stages, microbatches, virtual
     _check_sizes(p, m, v, s)
+    if not _has_order(s, v):
+        raise ValueError(f"bubble: no built-in order for `schedule={s!r}` with `virtual={v}` (built in: {SCHEDULES}, "
+                         "interleaved_zero_bubble as ZB-H1 with -v 1); pass explicit per-rank orders to simulate.")
     orders: list[list[Action]] = []
     for r in range(p):
         if s == "gpipe":
             order = [Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]
-        elif s in ("1f1b", "zero-bubble"):
-            bk = "I" if s == "zero-bubble" else "B"
+        elif s in ("1f1b", "interleaved_zero_bubble"):
+            bk = "I" if s == "interleaved_zero_bubble" else "B"
             warm = min(p - 1 - r, m)
             order = [Action("F", i, r) for i in range(warm)]
             f, b = warm, 0
@@ -230,7 +225,7 @@ def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = No
         if stages is None or microbatches is None:
             raise ValueError("simulate: a named schedule needs `stages` and `microbatches`.")
         orders = schedule_orders(name, stages, microbatches, virtual)
-        split = name == "zero-bubble"
+        split = name == "interleaved_zero_bubble"
         if split and tw is None:
             raise ValueError("simulate: `tw=None`: the zero-bubble schedule needs a weight-grad time.")
         scale = 1.0 / virtual
@@ -253,7 +248,7 @@ def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = No
             raise ValueError(f"simulate: no time for action {a.kind} of stage {a.stage}; pass `tw` or `durations`.")
         return per(base, a.stage) * scale
 
-    if split and name == "zero-bubble":
+    if split and name == "interleaved_zero_bubble":
         # Deferred W: take them out of the order; they fill waits and the tail.
         orders_main = [[a for a in o if a.kind != "W"] for o in orders]
         pending_w: list[list[Action]] = [[] for _ in orders]
@@ -263,7 +258,7 @@ def simulate(schedule: str | Sequence[Sequence[Action]], stages: int | None = No
     free = [0.0] * len(orders)
     pos = [0] * len(orders)
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in orders]
-    deferred = split and name == "zero-bubble"
+    deferred = split and name == "interleaved_zero_bubble"
     # ZB-H1: rank r keeps at most r weight-grads pending, so every stage holds at most p
     # microbatches' activations (1F1B's first-stage peak) and the bubble is (p-1)(F+B-W).
     w_cap = list(range(len(orders)))
@@ -332,87 +327,7 @@ def _summarize(timeline: list[list[tuple[Action, float, float]]], split: bool) -
                      peaks, timeline)
 
 
-# --------------------------------------------------------------------------- timeline record
-
-
-@dataclass(frozen=True)
-class TimelineRecord:
-    """One executed pipeline action, as the pipeline plugin writes it (one JSON object per line)."""
-
-    step: int
-    rank: int
-    stage: int
-    microbatch: int
-    action: str
-    """``"F"``, ``"B"``, ``"I"`` or ``"W"``."""
-    start_ns: int
-    end_ns: int
-    """``time.perf_counter_ns()`` at the start and end of the action."""
-
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
-
-_TIMELINE_FILE = re.compile(r"^pp_timeline_rank(\d+)\.jsonl$")
-_FIELDS = {"step": int, "rank": int, "stage": int, "microbatch": int, "action": str, "start_ns": int, "end_ns": int}
-
-
-def find_timeline_dir(logdir: str) -> str | None:
-    """The directory holding ``pp_timeline_rank*.jsonl`` under ``logdir`` (itself or a ``pp_timeline/``), or None."""
-    for root, _, files in os.walk(logdir):
-        if any(_TIMELINE_FILE.match(f) for f in files):
-            return root
-    return None
-
-
-def read_timeline(path: str) -> list[TimelineRecord]:
-    """Read every ``pp_timeline_rank{R}.jsonl`` in ``path`` (a directory or one file).
-
-    A last line cut off mid-write (no trailing newline, invalid JSON) is dropped; any other
-    malformed line raises ``ValueError`` naming the file, line and field.
-
-    >>> import tempfile, os, json
-    >>> d = tempfile.mkdtemp()
-    >>> rec = dict(step=0, rank=0, stage=0, microbatch=0, action="F", start_ns=0, end_ns=5)
-    >>> _ = open(os.path.join(d, "pp_timeline_rank0.jsonl"), "w").write(json.dumps(rec) + "\\n")
-    >>> read_timeline(d)[0].duration_ns
-    5
-    """
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if _TIMELINE_FILE.match(f))
-    elif os.path.isfile(path):
-        files = [path]
-    else:
-        raise ValueError(f"read_timeline: `path={path!r}` does not exist; pass the run's <log_dir>/pp_timeline.")
-    if not files:
-        raise ValueError(f"read_timeline: no pp_timeline_rank*.jsonl files in `path={path!r}`.")
-    records: list[TimelineRecord] = []
-    for fpath in files:
-        with open(fpath, encoding="utf-8") as f:
-            lines = f.read().split("\n")
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                if i == len(lines) - 1:  # cut off mid-write: drop it
-                    continue
-                raise ValueError(f"read_timeline: {fpath}:{i + 1} is not valid JSON: {line[:80]!r}.")
-            values = {}
-            for key, typ in _FIELDS.items():
-                val = obj.get(key) if isinstance(obj, dict) else None
-                if not isinstance(val, typ) or isinstance(val, bool):
-                    raise ValueError(f"read_timeline: {fpath}:{i + 1}: field `{key}={val!r}` must be {typ.__name__}.")
-                values[key] = val
-            if values["action"] not in ("F", "B", "I", "W"):
-                raise ValueError(f"read_timeline: {fpath}:{i + 1}: `action={values['action']!r}` must be F, B, I or W.")
-            if values["end_ns"] < values["start_ns"]:
-                raise ValueError(f"read_timeline: {fpath}:{i + 1}: `end_ns={values['end_ns']}` < "
-                                 f"`start_ns={values['start_ns']}`.")
-            records.append(TimelineRecord(**values))
-    return records
+# --------------------------------------------------------------------------- measured
 
 
 @dataclass
@@ -578,7 +493,8 @@ def gantt_figure(source: SimResult | Sequence[TimelineRecord], step: int | None 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """``meshkit bubble --schedule 1f1b -p 4 -m 8 [--tf 1 --tb 2 --tw ...] [--timeline DIR] [--json]``."""
-    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} or an alias (interleaved, zero-bubble); "
+                        f"simulated: {', '.join(SCHEDULES)} (default 1f1b)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (ranks)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches per step")
     parser.add_argument("-v", "--virtual", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -615,14 +531,18 @@ def run_cli(args: argparse.Namespace) -> int:
             out["time_unit"] = "ms"
             fig_src: Any = records
         else:
-            sim = simulate(args.schedule, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
-            theory = theoretical_bubble(args.schedule, args.stages, args.microbatches, args.virtual,
-                                        args.tf, args.tb, args.tw)
-            out = {"schedule": _schedule_name(args.schedule), "stages": args.stages,
-                   "microbatches": args.microbatches, "virtual": args.virtual, **sim.to_dict(),
-                   "theoretical_bubble_fraction": theory["bubble_fraction"],
-                   "theoretical_total_time": theory["total_time"]}
-            fig_src = sim
+            name = _schedule_name(args.schedule)
+            theory = theoretical_bubble(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+            out = {"schedule": name, "stages": args.stages, "microbatches": args.microbatches,
+                   "virtual": args.virtual}
+            fig_src = None
+            if _has_order(name, args.virtual):
+                fig_src = simulate(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+                out.update(fig_src.to_dict())
+            out.update({"theoretical_bubble_fraction": theory["bubble_fraction"],
+                        "theoretical_total_time": theory["total_time"]})
+            if args.gantt and fig_src is None:
+                raise ValueError(f"--gantt needs a built-in order; `schedule={name!r}` has theory only.")
         if args.gantt:
             gantt_figure(fig_src).savefig(args.gantt, dpi=120)
             out["gantt"] = args.gantt

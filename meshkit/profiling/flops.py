@@ -2,13 +2,14 @@
 
 Three questions, three small parts:
 
-1. *What can this device do?* :func:`peak_flops` reads a table of **dense** (not 2:4-sparse)
-   tensor-core peaks per GPU model and dtype, one datasheet per row, and matches real device
-   strings (``torch.cuda.get_device_name()``) to it. On CPU it measures a matmul peak once and
-   caches it (labelled ``"measured"``). Users can override any of it.
+1. *What can this device do?* :func:`peak_flops` reads the **dense** (not 2:4-sparse)
+   tensor-core peaks per GPU model and dtype of meshkit's GPU catalog (:mod:`meshkit.hardware`,
+   one datasheet per row) and matches real device strings (``torch.cuda.get_device_name()``) to
+   it. On CPU it measures a matmul peak once and caches it (labelled ``"measured"``). Users can
+   override any of it.
 2. *How much work is the model?* :func:`model_flops_per_token` gives PaLM's
-   ``6N + 12·L·H·Q·T`` from a meshkit ``LlamaConfig``, a Hugging Face config or torchtitan-style
-   args.
+   ``6N + 12·L·H·Q·T`` from anything :func:`meshkit.modelspec.read_shape` reads (a meshkit
+   ``LlamaConfig``, a Hugging Face config or model, torchtitan-style args).
 3. *How much work did a step really do?* :func:`measure_step_flops` runs forward and backward
    under :class:`torch.utils.flop_counter.FlopCounterMode` on meta tensors, so activation
    recompute is counted (hardware FLOPs, for HFU) next to the model FLOPs (for MFU).
@@ -30,12 +31,14 @@ import json
 import math
 import os
 import platform
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+
+from meshkit.hardware import CATALOG, Gpu, find_gpu, normalize_dtype, normalize_name, register_gpu, rows
+from meshkit.modelspec import TransformerShape, read_shape
 
 __all__ = [
     "PeakRow",
@@ -54,24 +57,13 @@ __all__ = [
     "flop_counter",
 ]
 
-T = 1e12  # TFLOP/s
-P = 1e15  # PFLOP/s
-
 # --------------------------------------------------------------------------------------- peaks
 
+PeakRow = Gpu
+"""A row of :data:`PEAK_TABLE`: a :class:`meshkit.hardware.Gpu` (``name``, ``patterns``, ``peaks``, ``source``)."""
 
-@dataclass(frozen=True)
-class PeakRow:
-    """One device model: dense peak FLOP/s per dtype and the datasheet they come from."""
-
-    name: str
-    """Canonical name, e.g. ``"H100-SXM"``."""
-    patterns: tuple[str, ...]
-    """Regexes matched against the normalized device string (upper case, separators as spaces)."""
-    peaks: Mapping[str, float]
-    """dtype (``bf16``, ``fp16``, ``fp32``, ``tf32``, ``fp8``) -> dense FLOP/s."""
-    source: str
-    """Where the figures come from (sparse datasheet figures are halved)."""
+PEAK_TABLE: tuple[Gpu, ...] = tuple(row for row in CATALOG if row.peaks)
+"""The rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that have dense peaks, in match order."""
 
 
 @dataclass(frozen=True)
@@ -86,133 +78,15 @@ class PeakInfo:
     source: str
 
 
-_NV_A100 = "NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4), dense column"
-_NV_H100 = "NVIDIA H100 Tensor Core GPU Architecture whitepaper v1.04, table 'H100 SXM5/PCIe', dense"
-_NV_H100NVL = "NVIDIA H100 NVL product brief / H100 datasheet (2024), sparse figures / 2"
-_NV_H200 = "NVIDIA H200 datasheet (hpc-datasheet-sc23-h200), sparse figures / 2 (same SMs and clocks as H100 SXM5)"
-_NV_B200 = "NVIDIA HGX B200 datasheet (8-GPU totals / 8), sparse figures / 2"
-_NV_GB200 = "NVIDIA GB200 NVL72 datasheet (72-GPU totals / 72), sparse figures / 2"
-_NV_L4 = "NVIDIA L4 datasheet (L4 Tensor Core GPU, 2023), sparse figures / 2"
-_NV_L40S = "NVIDIA L40S datasheet (2023), dense column"
-_NV_L40 = "NVIDIA L40 datasheet (2022), dense column"
-_NV_A10 = "NVIDIA A10 datasheet (2021), dense column"
-_NV_V100 = "NVIDIA V100 datasheet (volta-v100-datasheet-update-us-1165301-r5)"
-_NV_T4 = "NVIDIA T4 datasheet (Tesla T4, 2019)"
-_NV_ADA = "NVIDIA Ada Lovelace architecture whitepaper v1.1, appendix A, FP32 accumulate, dense"
-_NV_GA102 = "NVIDIA Ampere GA102 whitepaper v2.1, tables 9/10, FP32 accumulate, dense"
-_AMD_MI300X = "AMD Instinct MI300X data sheet (2023), dense (without sparsity)"
-_AMD_MI325X = "AMD Instinct MI325X data sheet (2024), dense (without sparsity)"
-_AMD_MI250X = "AMD Instinct MI250X data sheet (2021), matrix peaks"
-
-
-def _row(name: str, patterns: tuple[str, ...], source: str, **peaks: float) -> PeakRow:
-    return PeakRow(name, patterns, dict(peaks), source)
-
-
-# Order matters: the first row whose pattern matches wins, so variants (PCIe, NVL) come before
-# the bare model name. "fp32" is the non-tensor FP32 peak (torch's default matmul precision);
-# "tf32" is the tensor-core TF32 peak (torch.backends.cuda.matmul.allow_tf32 = True).
-PEAK_TABLE: tuple[PeakRow, ...] = (
-    _row("A100-PCIe-40GB", (r"\bA100\b.*\bPCIE\b.*\b40GB\b", r"\bA100\b.*\b40GB\b.*\bPCIE\b"), _NV_A100,
-         bf16=312 * T, fp16=312 * T, tf32=156 * T, fp32=19.5 * T),
-    _row("A100-PCIe-80GB", (r"\bA100\b.*\bPCIE\b",), _NV_A100,
-         bf16=312 * T, fp16=312 * T, tf32=156 * T, fp32=19.5 * T),
-    _row("A100-SXM4-40GB", (r"\bA100\b.*\b40GB\b",), _NV_A100,
-         bf16=312 * T, fp16=312 * T, tf32=156 * T, fp32=19.5 * T),
-    _row("A100-SXM4-80GB", (r"\bA100\b",), _NV_A100,
-         bf16=312 * T, fp16=312 * T, tf32=156 * T, fp32=19.5 * T),
-    _row("H100-NVL", (r"\bH100\b.*\bNVL\b",), _NV_H100NVL,
-         bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T, tf32=417.5 * T, fp32=60 * T),
-    _row("H100-PCIe", (r"\bH100\b.*\bPCIE\b",), _NV_H100,
-         bf16=756 * T, fp16=756 * T, fp8=1513 * T, tf32=378 * T, fp32=51.2 * T),
-    _row("H100-SXM", (r"\bH100\b", r"\bH800\b"), _NV_H100,
-         bf16=989.4 * T, fp16=989.4 * T, fp8=1978.9 * T, tf32=494.7 * T, fp32=66.9 * T),
-    _row("H200-NVL", (r"\bH200\b.*\bNVL\b",), _NV_H200,
-         bf16=835.5 * T, fp16=835.5 * T, fp8=1670.5 * T, tf32=417.5 * T, fp32=60 * T),
-    _row("H200-SXM", (r"\bH200\b", r"\bGH200\b"), _NV_H200,
-         bf16=989.4 * T, fp16=989.4 * T, fp8=1978.9 * T, tf32=494.7 * T, fp32=66.9 * T),
-    _row("GB200", (r"\bGB200\b",), _NV_GB200,
-         bf16=2.5 * P, fp16=2.5 * P, fp8=5 * P, tf32=1.25 * P, fp32=80 * T),
-    _row("B200", (r"\bB200\b",), _NV_B200,
-         bf16=2.25 * P, fp16=2.25 * P, fp8=4.5 * P, tf32=1.125 * P, fp32=75 * T),
-    _row("L40S", (r"\bL40S\b",), _NV_L40S,
-         bf16=362.05 * T, fp16=362.05 * T, fp8=733 * T, tf32=183 * T, fp32=91.6 * T),
-    _row("L40", (r"\bL40\b",), _NV_L40,
-         bf16=181.05 * T, fp16=181.05 * T, fp8=362 * T, tf32=90.5 * T, fp32=90.5 * T),
-    _row("L4", (r"\bL4\b",), _NV_L4,
-         bf16=121 * T, fp16=121 * T, fp8=242.5 * T, tf32=60 * T, fp32=30.3 * T),
-    _row("A10", (r"\bA10\b",), _NV_A10,
-         bf16=125 * T, fp16=125 * T, tf32=62.5 * T, fp32=31.2 * T),
-    _row("V100-PCIe", (r"\bV100\b.*\bPCIE\b",), _NV_V100, fp16=112 * T, fp32=14 * T),
-    _row("V100-SXM2", (r"\bV100\b",), _NV_V100, fp16=125 * T, fp32=15.7 * T),
-    _row("T4", (r"\bT4\b",), _NV_T4, fp16=65 * T, fp32=8.1 * T),
-    _row("RTX-4090", (r"\bRTX 4090\b",), _NV_ADA,
-         bf16=165.2 * T, fp16=165.2 * T, fp8=330.3 * T, tf32=82.6 * T, fp32=82.6 * T),
-    _row("RTX-3090", (r"\bRTX 3090\b",), _NV_GA102,
-         bf16=71 * T, fp16=71 * T, tf32=35.6 * T, fp32=35.6 * T),
-    _row("MI325X", (r"\bMI325X\b",), _AMD_MI325X,
-         bf16=1307.4 * T, fp16=1307.4 * T, fp8=2614.9 * T, tf32=653.7 * T, fp32=163.4 * T),
-    _row("MI300X", (r"\bMI300X\b",), _AMD_MI300X,
-         bf16=1307.4 * T, fp16=1307.4 * T, fp8=2614.9 * T, tf32=653.7 * T, fp32=163.4 * T),
-    _row("MI250X", (r"\bMI250X?\b",), _AMD_MI250X, bf16=383 * T, fp16=383 * T, fp32=95.7 * T),
-)
-
-_USER_ROWS: list[PeakRow] = []
-
-_DTYPE_ALIASES = {
-    "bf16": "bf16", "bfloat16": "bf16", "bf16-mixed": "bf16", "bf16-true": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "16": "fp16", "16-mixed": "fp16", "16-true": "fp16",
-    "torch.float16": "fp16",
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "32": "fp32", "32-true": "fp32", "torch.float32": "fp32",
-    "tf32": "tf32",
-    "fp8": "fp8", "float8": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "transformer-engine": "fp8",
-    "torch.float8_e4m3fn": "fp8", "torch.float8_e5m2": "fp8",
-}
-
-
-def normalize_dtype(dtype: Any) -> str:
-    """Map a dtype spelling (``torch.bfloat16``, ``"bf16-mixed"``, ``"half"``, ...) to a table key.
-
-    >>> normalize_dtype("bf16-mixed"), normalize_dtype(torch.float16)
-    ('bf16', 'fp16')
-    """
-    key = str(dtype).strip().lower()
-    if key not in _DTYPE_ALIASES:
-        raise ValueError(
-            f"normalize_dtype: `dtype={dtype!r}` is not a known dtype. "
-            f"Use one of {sorted(set(_DTYPE_ALIASES.values()))} (or a torch dtype / Lightning precision string)."
-        )
-    return _DTYPE_ALIASES[key]
-
-
-def _normalize_name(device_name: str) -> str:
-    return " ".join(re.sub(r"[^A-Z0-9]+", " ", device_name.upper()).split())
-
-
-def _match_row(device_name: str) -> PeakRow | None:
-    norm = _normalize_name(device_name)
-    for row in (*_USER_ROWS, *PEAK_TABLE):
-        if _normalize_name(row.name) == norm or any(re.search(p, norm) for p in row.patterns):
-            return row
-    return None
-
-
 def register_peak(name: str, peaks: Mapping[str, float], patterns: tuple[str, ...] = (),
-                  source: str = "user") -> PeakRow:
-    """Add (or shadow) a table row; user rows are matched before the built-in ones.
+                  source: str = "user") -> Gpu:
+    """Add (or shadow) a peak row (:func:`meshkit.hardware.register_gpu`); matched before the built-in ones.
 
     >>> _ = register_peak("MyChip", {"bf16": 100e12}, patterns=(r"\\bMYCHIP\\b",))
     >>> peak_flops("Acme MyChip v2", "bf16")
     100000000000000.0
     """
-    clean: dict[str, float] = {}
-    for dtype, value in peaks.items():
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"register_peak: `peaks[{dtype!r}]={value!r}` must be a positive number of FLOP/s.")
-        clean[normalize_dtype(dtype)] = float(value)
-    row = PeakRow(name, tuple(patterns), clean, source)
-    _USER_ROWS.insert(0, row)
-    return row
+    return register_gpu(name, patterns=patterns, peaks=peaks, source=source)
 
 
 def peak_info(device_name: str, dtype: Any = "bf16", *, override: float | None = None) -> PeakInfo:
@@ -234,11 +108,11 @@ def peak_info(device_name: str, dtype: Any = "bf16", *, override: float | None =
         return PeakInfo(float(override), device_name, key, "override", "user override")
     if not isinstance(device_name, str) or not device_name.strip():
         raise ValueError(f"peak_info: `device_name={device_name!r}` must be a non-empty device string.")
-    if "CPU" in _normalize_name(device_name).split() or _normalize_name(device_name) == "CPU":
+    if "CPU" in normalize_name(device_name).split():
         return PeakInfo(measured_cpu_peak(key), "cpu", key, "measured", "matmul calibration on this host")
-    row = _match_row(device_name)
+    row = find_gpu(device_name, has=("peaks",))
     if row is None:
-        known = ", ".join(r.name for r in (*_USER_ROWS, *PEAK_TABLE))
+        known = ", ".join(r.name for r in rows(has=("peaks",)))
         raise ValueError(
             f"peak_flops: `device_name={device_name!r}` matches no row of the peak table (known: {known}). "
             "Pass `override=<FLOP/s>`, set MESHKIT_PEAK_FLOPS, or add a row with register_peak()."
@@ -347,35 +221,18 @@ class ModelShape:
     """T if the source knows it (max sequence length); callers usually pass the training one."""
 
 
-def _llama_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
-    # torchtitan / Meta Llama rule: 2/3 of 4·dim, scaled, rounded up to a multiple.
-    hidden = int(2 * (4 * dim) / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def _llama_params(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int,
-                  vocab: int) -> int:
-    attn = dim * n_heads * head_dim * 2 + dim * n_kv_heads * head_dim * 2  # wq, wo, wk, wv
-    mlp = 3 * dim * ffn  # SwiGLU w1, w2, w3
-    norms = 2 * dim
-    return n_layers * (attn + mlp + norms) + dim + vocab * dim  # + final norm + LM head
-
-
-def _get(obj: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-        if value is not None:
-            return value
-    return default
+def _palm_params(s: TransformerShape) -> int:
+    attn = s.hidden * s.heads * s.head_dim * 2 + s.hidden * s.kv_heads * s.head_dim * 2  # wq, wo, wk, wv
+    mlp = (3 if s.gated_mlp else 2) * s.hidden * s.ffn  # SwiGLU w1, w2, w3 (GPT-2: fc, proj)
+    norms = 2 * s.hidden
+    return s.layers * (attn + mlp + norms) + s.hidden + s.vocab * s.hidden  # + final norm + LM head
 
 
 def model_shape(config: Any) -> ModelShape:
-    """Read a :class:`ModelShape` from a meshkit ``LlamaConfig``, a Hugging Face config (object or
-    dict; Llama-style SwiGLU MLP assumed when counting parameters), torchtitan-style args
-    (``dim``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``multiple_of``, ``ffn_dim_multiplier``),
-    or an ``nn.Module`` (parameters counted; shape read from its ``config`` attribute).
+    """Read a :class:`ModelShape` with :func:`meshkit.modelspec.read_shape`: from a meshkit ``LlamaConfig``,
+    a Hugging Face config (object or dict), torchtitan-style args (``dim``, ``n_layers``, ``n_heads``,
+    ``n_kv_heads``, ``multiple_of``, ``ffn_dim_multiplier``), or an ``nn.Module`` (its parameters counted;
+    the shape read from the ``config`` it holds).
 
     >>> from meshkit.models import LlamaConfig
     >>> model_shape(LlamaConfig.tiny()).n_layers
@@ -383,51 +240,12 @@ def model_shape(config: Any) -> ModelShape:
     """
     if isinstance(config, ModelShape):
         return config
-    if isinstance(config, torch.nn.Module):
-        inner = _get(config, "config", "model_args", "args")
-        if inner is None and hasattr(config, "model"):
-            inner = _get(config.model, "config", "model_args", "args")
-        if inner is None:
-            raise ValueError(
-                f"model_shape: `config={type(config).__name__}` is a module without a `config` attribute; "
-                "pass its config (HF, torchtitan args or LlamaConfig) or a ModelShape."
-            )
-        base = model_shape(inner)
-        seen: set[int] = set()
-        total = embed = 0
-        for mod in config.modules():
-            for p in mod.parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                total += p.numel()
-                if isinstance(mod, torch.nn.Embedding):
-                    embed += p.numel()
-        tied = any(isinstance(m, torch.nn.Linear) and id(m.weight) in
-                   {id(e.weight) for e in config.modules() if isinstance(e, torch.nn.Embedding)}
-                   for m in config.modules())
-        n = total - embed + (embed if tied else 0)
-        return ModelShape(n, base.n_layers, base.n_heads, base.head_dim, base.seq_len)
-    dim = _get(config, "hidden_size", "dim", "d_model", "n_embd")
-    n_layers = _get(config, "num_hidden_layers", "n_layers", "num_layers", "n_layer")
-    n_heads = _get(config, "num_attention_heads", "n_heads", "n_head")
-    vocab = _get(config, "vocab_size")
-    if None in (dim, n_layers, n_heads, vocab):
-        raise ValueError(
-            f"model_shape: `config={type(config).__name__}` lacks one of hidden size (hidden_size/dim), "
-            f"layers (num_hidden_layers/n_layers), heads (num_attention_heads/n_heads) or vocab_size "
-            f"(got dim={dim}, n_layers={n_layers}, n_heads={n_heads}, vocab_size={vocab}). Pass a ModelShape."
-        )
-    n_kv = _get(config, "num_key_value_heads", "n_kv_heads", default=n_heads)
-    head_dim = _get(config, "head_dim", default=None)
-    if not isinstance(head_dim, int):  # LlamaConfig.head_dim is a property, HF may set None
-        head_dim = dim // n_heads
-    ffn = _get(config, "intermediate_size", "ffn_dim", "hidden_dim")
-    if ffn is None:
-        ffn = _llama_ffn(dim, _get(config, "multiple_of", default=256), _get(config, "ffn_dim_multiplier"))
-    n = _llama_params(dim, n_layers, n_heads, n_kv, head_dim, ffn, vocab)
-    seq = _get(config, "max_seq_len", "max_position_embeddings", "seq_len")
-    return ModelShape(int(n), int(n_layers), int(n_heads), int(head_dim), seq)
+    s = read_shape(config)
+    if s.params is not None:  # a module: its own parameters, the embedding tables out unless one is the head
+        n = s.params - s.embedding_params + (s.embedding_params if s.tied_embeddings else 0)
+    else:
+        n = _palm_params(s)
+    return ModelShape(int(n), s.layers, s.heads, s.head_dim, s.max_seq_len)
 
 
 def model_flops_per_token(config: Any, seq_len: int | None = None, *, causal: bool = False) -> float:

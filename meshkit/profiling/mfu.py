@@ -41,6 +41,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from meshkit.modelspec import find_config
 from meshkit.profiling.flops import flop_counter, model_flops_per_token, normalize_dtype, peak_info
 from meshkit.profiling.report import BREAKDOWN_PARTS, SCALAR_PREFIX, points_lost, write_layout, write_window
 
@@ -209,8 +210,9 @@ class MFUMonitor(Callback):
         peak_flops: dense peak FLOP/s of one device; default from :func:`meshkit.profiling.flops.peak_info`
             (datasheet on GPU, a measured matmul peak on CPU).
         dtype: compute dtype for the peak lookup; default from the Trainer's precision.
-        flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the module's
-            ``config`` (or ``model.config``), else 3 × the measured forward.
+        flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the config the module
+            holds (:func:`meshkit.modelspec.find_config`: ``config``, ``model.config``, ...), else 3 × the
+            measured forward.
         seq_len: T for the attention term; default the batch's last dimension.
         tokens_fn: ``batch -> tokens`` in one local batch; default :func:`batch_tokens`.
         measure_flops: count hardware FLOPs with ``FlopCounterMode`` on training batch
@@ -330,14 +332,6 @@ class MFUMonitor(Callback):
                 return exp
         return None
 
-    def _model_config(self, pl_module: Any) -> Any:
-        for obj in (pl_module, getattr(pl_module, "model", None)):
-            for attr in ("config", "model_args", "args"):
-                cfg = getattr(obj, attr, None) if obj is not None else None
-                if cfg is not None and not isinstance(cfg, (str, int, float)):
-                    return cfg
-        return None
-
     # ------------------------------------------------------------------ per-step hooks
 
     @override
@@ -424,7 +418,7 @@ class MFUMonitor(Callback):
         if self.flops_per_token is not None:
             self._model_per_token = float(self.flops_per_token)
         else:
-            cfg = self._model_config(pl_module)
+            cfg = find_config(pl_module)
             if cfg is not None:
                 try:
                     self._model_per_token = model_flops_per_token(cfg, seq_len=self.seq_len or _batch_seq_len(batch))

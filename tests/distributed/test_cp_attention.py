@@ -289,7 +289,7 @@ def test_cp_preset_matches_one_process(pool, case):
 def test_cp_presets_resolve_and_validate():
     import meshkit
     from meshkit.models.llama import LlamaConfig, LlamaLM
-    from meshkit.plugins.presets import PRESETS, resolve_dims
+    from meshkit.plugins.presets import PRESETS, resolve_dims, resolve_layout
 
     auto = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
     # 2 nodes of 4: cp takes 2 of a node, tp the other 2, HSDP replicates across the nodes.
@@ -301,11 +301,10 @@ def test_cp_presets_resolve_and_validate():
     )
     with pytest.raises(ValueError, match=r"`cp_attention='tree'` must be one of"):
         meshkit.NDParallelStrategy("cp", cp_attention="tree")
-    strategy = meshkit.NDParallelStrategy("cp", cp_attention="ulysses")
-    strategy._lightning_module = LlamaLM(LlamaConfig.tiny(dim=48, n_heads=6, n_kv_heads=6))
-    dims = resolve_dims(PRESETS["cp"], auto, world_size=4, num_nodes=1)
+    model = LlamaLM(LlamaConfig.tiny(dim=48, n_heads=6, n_kv_heads=6))
+    config = meshkit.ParallelConfig(cp_attention="ulysses")
     with pytest.raises(ValueError, match=r"`cp_attention='ulysses'` with `cp=4` and `tp=1` needs the heads per TP rank \(6\)"):
-        strategy._check_cp(dims)
+        resolve_layout(PRESETS["cp"], auto, config, world_size=4, num_nodes=1, model=model)
 
 
 def _hf_cp_module() -> Any:

@@ -148,7 +148,8 @@ def _parallelize(model, mesh, tp_mesh, sequence_parallel: bool) -> None:
 def _model_body(rank, world_size, backend, sequence_parallel, n_layers, seq):
     import torch.distributed as dist
 
-    from meshkit.kernels import apply_fused_kernels, kernel_backend
+    from meshkit.integrations import apply_fused_kernels
+    from meshkit.kernels import kernel_backend
     from meshkit.models.llama import LlamaConfig, Transformer, synthetic_tokens
 
     mesh, tp_mesh = _tp_mesh(world_size, 2)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 _SCRIPT = r'''
 import ctypes, json, sys
 import torch, lightning as L
-from meshkit.profiling.occupancy_tb import TritonKernelReport
+from meshkit.profiling.occupancy import TritonKernelReport
 from tests.fixtures.occupancy_kernels import matmul_kernel, row_sum_squares
 
 cuda = ctypes.CDLL("libcuda.so.1")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from meshkit.kernels import add_rms_norm, kernel_backend, rms_norm, rope, swiglu
-from meshkit.models.llama import apply_rope, rope_cos_sin
+from meshkit.kernels import apply_rope, rope_cos_sin
 
 from ._helpers import DTYPES, TOL, TOL_FORMULA, assert_close, f32, forward_backward, triton_and_reference
 

@@ -1,4 +1,4 @@
-"""apply_fused_kernels on the demo model and HF Llama; custom ops under torch.compile; kernel specs."""
+"""apply_fused_kernels on the demo model and HF Llama; layering; custom ops under torch.compile; kernel specs."""
 
 from __future__ import annotations
 
@@ -11,16 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkit.kernels import (
-    apply_fused_kernels,
-    builtin_kernel_specs,
-    fused_lm_loss,
-    kernel_backend,
-    rms_norm,
-    swiglu,
-    uses_fused_loss,
-)
-from meshkit.models.llama import LlamaConfig, Transformer, synthetic_tokens
+from meshkit.integrations import apply_fused_kernels, fused_lm_loss, uses_fused_loss
+from meshkit.kernels import builtin_kernel_specs, kernel_backend, rms_norm, swiglu
+from meshkit.models import LlamaConfig, Transformer, synthetic_tokens
 
 from ._helpers import OpCounter
 
@@ -120,6 +113,54 @@ def test_fused_lm_loss_finds_heads_and_rejects_others():
         fused_lm_loss(torch.nn.Linear(64, 256), hidden, labels)
     with pytest.raises(ValueError, match="has no supported module"):
         apply_fused_kernels(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+_LAYERING = r"""
+import sys
+import meshkit
+assert "meshkit.kernels" not in sys.modules, "import meshkit imported meshkit.kernels"
+import meshkit.kernels
+assert not [m for m in sys.modules if m.split(".")[:2] in (["meshkit", "models"], ["meshkit", "integrations"])], \
+    "kernels imported models"
+for name in ("apply_fused_kernels", "fused_lm_loss", "uses_fused_loss"):
+    try:
+        getattr(meshkit.kernels, name)
+    except AttributeError as e:
+        assert f"moved to meshkit.integrations.{name}" in str(e), e
+    else:
+        raise AssertionError(f"meshkit.kernels.{name} should point at meshkit.integrations")
+print("ok")
+"""
+
+
+def test_kernels_know_no_model_and_name_the_new_home_of_patching():
+    # kernels/ is pure compute: importing it loads no model code; the old patching names say where they moved.
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", _LAYERING], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import meshkit.kernels
+
+    src = os.path.dirname(meshkit.kernels.__file__)
+    for name in os.listdir(src):
+        if name.endswith(".py"):
+            text = open(os.path.join(src, name)).read()
+            assert "meshkit.models" not in text and "sys.modules" not in text, name
+
+
+def test_lightning_module_reads_the_patch_marker():
+    from meshkit.models import LlamaLM
+
+    lm = LlamaLM(LlamaConfig.tiny(n_layers=1))
+    batch = synthetic_tokens(2, 6, 256)
+    with kernel_backend("reference"):
+        plain = lm._loss(batch)
+        assert not lm.model.fused_loss
+        apply_fused_kernels(lm)
+        assert lm.model.fused_loss and uses_fused_loss(lm)
+        with OpCounter() as ops:
+            fused = lm._loss(batch)
+    assert ops.counts.get("fused_linear_cross_entropy") == 1
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
 
 def test_custom_ops_compile_without_graph_breaks():

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshkit.plugins import _cp_attention as impl
-from meshkit.plugins.context_parallel import sequence_positions, shard_sequence
+from meshkit.plugins.context_parallel import attention as impl
+from meshkit.plugins.context_parallel import check_cp_heads, layout_index, sequence_positions, shard_sequence
 
 
 def check_blocks(device: str, dtype: torch.dtype, causal: bool, hkv: int, atol: float) -> None:
@@ -60,7 +60,7 @@ def test_blocks_merge_to_full_attention_cpu(dtype, atol, causal, hkv):
 
 def test_layouts_by_hand():
     # 12 tokens, cp=3, load-balanced: 6 chunks of 2, rank r holds chunks r and 5-r.
-    assert impl.layout_index(12, 3, "load_balanced").tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
+    assert layout_index(12, 3, "load_balanced").tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
     assert sequence_positions(12, cp_rank=1, cp=3).tolist() == [2, 3, 8, 9]
     assert sequence_positions(12, cp_rank=2, cp=3, layout="contiguous").tolist() == [8, 9, 10, 11]
     x = torch.arange(24).view(2, 12)
@@ -76,3 +76,22 @@ def test_shard_sequence_errors():
         shard_sequence(torch.arange(8), 2, 2, dim=0)
     with pytest.raises(ValueError, match=r"`layout='zigzag'` is not one of"):
         shard_sequence(torch.arange(8), 0, 2, dim=0, layout="zigzag")
+
+
+def test_cp_heads_rule():
+    # Ulysses: heads per TP rank divisible by cp; kv heads per TP rank a multiple (split) or divisor (replicated).
+    for heads, kv, tp, cp in [(32, 8, 4, 2), (8, 8, 1, 4), (8, 2, 1, 4), (8, 1, 1, 8), (16, 2, 4, 4), (6, 6, None, 3)]:
+        check_cp_heads(heads, kv, tp, cp, "ulysses")
+    check_cp_heads(8, None, 2, 4, "ulysses")  # no GQA: kv heads = heads
+    for attention in ("ring", "allgather"):  # no head rule
+        check_cp_heads(6, 3, 1, 4, attention)
+    per_tp_rank = r"`cp_attention='ulysses'` with `cp=4` and `tp=2` needs the heads per TP rank \(6\)"
+    with pytest.raises(ValueError, match=per_tp_rank):
+        check_cp_heads(12, 12, 2, 4, "ulysses")
+    with pytest.raises(ValueError, match=r"kv heads per TP rank \(3\) either divisible by cp or dividing it"):
+        check_cp_heads(24, 6, 2, 4, "ulysses")  # 12 heads per TP rank fit cp=4; 3 kv heads neither split nor replicate
+    local = r"`attention='ulysses'` with `cp=4` needs `num_heads=6` divisible.*fits the heads \(\[2, 3, 6\]\)"
+    with pytest.raises(ValueError, match=local):
+        check_cp_heads(6, 6, None, 4, "ulysses", option="attention")
+    with pytest.raises(ValueError, match=r"`num_kv_heads=3` either divisible by cp or dividing it"):
+        check_cp_heads(12, 3, None, 4, "ulysses")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from meshkit import hardware
 from meshkit.profiling import flops as F
 from meshkit.profiling.flops import peak_flops, peak_info, register_peak
 
@@ -79,7 +80,7 @@ def test_overrides(monkeypatch):
 
 
 def test_register_peak_shadows_builtin(monkeypatch):
-    monkeypatch.setattr(F, "_USER_ROWS", [])
+    monkeypatch.setattr(hardware, "_USER_GPUS", [])  # the catalog's user rows (register_peak adds one)
     register_peak("H200-SXM-capped", {"bf16": 700e12}, patterns=(r"\bH200\b",), source="power-capped fleet")
     assert peak_info("NVIDIA H200").row == "H200-SXM-capped"
     assert peak_flops("NVIDIA H200") == 700e12
@@ -176,7 +177,7 @@ class _Checkpointed(torch.nn.Module):
 
         m = self.inner
         pos = torch.arange(tokens.shape[1], device=tokens.device)
-        from meshkit.models.llama import rope_cos_sin
+        from meshkit.kernels import rope_cos_sin
 
         cos, sin = rope_cos_sin(pos, m.config.head_dim, m.config.rope_theta)
         h = m.tok_embeddings(tokens)

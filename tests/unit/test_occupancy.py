@@ -169,3 +169,18 @@ def test_arch_table_and_names():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         theoretical_occupancy(**kwargs)
+
+
+def test_load_kernel_module_form_resolves_from_the_current_folder(tmp_path, monkeypatch):
+    # The `meshkit` console script's sys.path[0] is its bin/ folder; MODULE:KERNEL must still find ./MODULE.py.
+    import sys
+
+    from meshkit.profiling.occupancy.cli import load_kernel
+
+    (tmp_path / "my_mod_for_load_test.py").write_text("def my_kernel():\n    return 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    name, kernel = load_kernel("my_mod_for_load_test:my_kernel")
+    assert (name, kernel()) == ("my_kernel", 7)
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod_xyz'"):
+        load_kernel("no_such_mod_xyz:k")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from meshkit.profiling.occupancy_tb import TritonKernelReport
+from meshkit.profiling.occupancy import TritonKernelReport
 from tests.fixtures.occupancy_kernels import row_sum_squares
 
 

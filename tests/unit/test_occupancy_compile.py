@@ -13,7 +13,7 @@ import torch
 import meshkit.kernels
 from meshkit.profiling import occupancy as occ_mod
 from meshkit.profiling.occupancy import kernel_occupancy, sweep_occupancy, theoretical_occupancy
-from meshkit.profiling.occupancy_compile import KernelCompileError, build_signature, launch_configs
+from meshkit.profiling.occupancy.compile import KernelCompileError, build_signature, launch_configs
 from tests.fixtures.occupancy_kernels import autotuned_scale, broken_kernel, matmul_kernel, row_sum_squares
 
 RED_SIG = "X=*fp32,OUT=*fp32,N=i32,stride=i32"
@@ -231,7 +231,7 @@ def test_in_process_compile_matches_the_worker(reduction, tmp_path):
 
     script = (
         "import json, sys\n"
-        "from meshkit.profiling import occupancy_compile as oc\n"
+        "from meshkit.profiling.occupancy import compile as oc\n"
         "from meshkit.profiling.occupancy import kernel_occupancy\n"
         "from tests.fixtures.occupancy_kernels import row_sum_squares\n"
         "assert not oc._interpreting()\n"

@@ -1,16 +1,20 @@
-"""TensorBoard output for occupancy reports, and a Lightning callback that reports a run's Triton kernels.
+"""Occupancy reports: a kernel's compiled resources composed with the occupancy they allow, as data,
+text and markdown tables, TensorBoard, and a Lightning callback that reports a run's Triton kernels.
 
-Drawing is kept apart from the analysis: :func:`occupancy_markdown` is a pure function of the reports;
+:func:`kernel_occupancy` / :func:`sweep_occupancy` compile (:mod:`~meshkit.profiling.occupancy.compile`)
+and apply the calculator (:mod:`~meshkit.profiling.occupancy.theory`). Drawing is kept apart from the
+analysis: :func:`occupancy_text` and :func:`occupancy_markdown` are pure functions of the reports;
 :func:`write_occupancy_tensorboard` adds a text table and one bar chart per kernel x arch x config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 try:  # Lightning is a dependency of meshkit; keep this module importable for the CLI without it
     from lightning.pytorch.callbacks import Callback
@@ -19,10 +23,186 @@ except ImportError:  # pragma: no cover
 
 from typing_extensions import override
 
-from meshkit.profiling.occupancy import (ARCHS, LIMITERS, KernelReport, grid_waves, resolve_arch,
-                                        sweep_occupancy)
+from meshkit.profiling.occupancy.arch import ARCHS, _gpu_arch, resolve_arch
+from meshkit.profiling.occupancy.compile import KernelResources, build_signature, compile_many, launch_configs
+from meshkit.profiling.occupancy.theory import (LIMITERS, GridWaves, Occupancy, grid_waves,
+                                                theoretical_occupancy)
 
-__all__ = ["LaunchedKernel", "TritonKernelReport", "occupancy_markdown", "write_occupancy_tensorboard"]
+__all__ = [
+    "KernelReport",
+    "LaunchedKernel",
+    "TritonKernelReport",
+    "kernel_occupancy",
+    "occupancy_markdown",
+    "occupancy_text",
+    "sweep_occupancy",
+    "write_occupancy_tensorboard",
+]
+
+
+def _resource(name: str) -> property:
+    """A read-only :class:`KernelReport` attribute that reads ``self.resources.<name>``."""
+    return property(lambda self: getattr(self.resources, name),
+                    doc=f"``resources.{name}`` (see :class:`KernelResources`).")
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """One kernel x arch x launch config: its compiled :class:`KernelResources` and the occupancy they allow.
+
+    The resource figures read through: ``report.registers_per_thread`` is
+    ``report.resources.registers_per_thread``, and ``report.spill_bytes`` is
+    ``report.resources.spill_store_bytes`` (spill loads: ``spill_load_bytes``). ``kernel`` is a
+    spec's ``name`` where one was given, else the function's. :meth:`to_dict` is the ``--json`` record.
+
+    >>> rep = kernel_occupancy(kernel, signature="X=*fp32,N=i32", archs=["sm_90"])[0]  # doctest: +SKIP
+    >>> rep.registers_per_thread, rep.occupancy.limiter  # doctest: +SKIP
+    (16, 'warps')
+    """
+
+    resources: KernelResources
+    occupancy: Occupancy
+    waves: tuple[GridWaves, ...] = ()
+
+    kernel = _resource("kernel")
+    arch = _resource("arch")
+    num_warps = _resource("num_warps")
+    num_stages = _resource("num_stages")
+    constexprs = _resource("constexprs")
+    registers_per_thread = _resource("registers_per_thread")
+    spill_bytes = _resource("spill_store_bytes")
+    spill_load_bytes = _resource("spill_load_bytes")
+    local_bytes = _resource("local_bytes")
+    static_shared_bytes = _resource("static_shared_bytes")
+    dynamic_shared_bytes = _resource("dynamic_shared_bytes")
+    shared_bytes = _resource("shared_bytes")
+    cached = _resource("cached")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON-able record (the ``--json`` shape)."""
+        occ = self.occupancy
+        return {
+            "kernel": self.kernel, "arch": self.arch, "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+            "constexprs": dict(self.constexprs),
+            "registers_per_thread": self.registers_per_thread, "spill_bytes": self.spill_bytes,
+            "spill_load_bytes": self.spill_load_bytes, "local_bytes": self.local_bytes,
+            "shared_bytes": self.shared_bytes, "static_shared_bytes": self.static_shared_bytes,
+            "dynamic_shared_bytes": self.dynamic_shared_bytes,
+            "active_blocks_per_sm": occ.active_blocks_per_sm, "active_warps_per_sm": occ.active_warps_per_sm,
+            "max_warps_per_sm": occ.max_warps_per_sm, "occupancy": occ.occupancy, "limiter": occ.limiter,
+            "block_limits": dict(occ.block_limits), "hint": occ.hint,
+            "waves": [{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                       for k, v in dataclasses.asdict(w).items()} for w in self.waves],
+        }
+
+
+def kernel_occupancy(
+    kernel: Any,
+    args: Sequence[Any] | None = None,
+    *,
+    signature: str | Mapping[str, str] | None = None,
+    constexprs: Mapping[str, Any] | None = None,
+    num_warps: int | Sequence[int] | None = None,
+    num_stages: int | Sequence[int] | None = None,
+    configs: Sequence[Any] | None = None,
+    archs: Sequence[str] = ("sm_80", "sm_90"),
+    grid: int | Sequence[int] | None = None,
+    gpus: Sequence[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> list[KernelReport]:
+    """Compile ``kernel`` for each arch and launch config on this machine and report its occupancy.
+
+    Give the argument types as example ``args`` (tensors become pointers, ints ``i32``/``i64``, floats
+    ``fp32``) or as ``signature`` (``"X=*fp32,N=i32"`` or a dict; ``"i32:16"`` marks a 16-divisible int as
+    Triton's launcher would), and the ``tl.constexpr`` values in ``constexprs``. Configs are the
+    product of ``num_warps`` x ``num_stages`` (defaults 4 and 3), or ``configs`` (``triton.Config``
+    objects or dicts with ``num_warps``, ``num_stages`` and constexpr values), or, for an
+    ``@triton.autotune`` kernel given neither, its own configs. Results are cached on disk
+    (:mod:`meshkit.profiling.occupancy.compile`). Reports come in arch-major order.
+
+    >>> import triton, triton.language as tl
+    >>> @triton.jit
+    ... def scale(X, N, BLOCK: tl.constexpr):
+    ...     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ...     tl.store(X + offs, tl.load(X + offs, mask=offs < N) * 2, mask=offs < N)
+    >>> reps = kernel_occupancy(scale, signature="X=*fp32,N=i32", constexprs={"BLOCK": 1024},
+    ...                         archs=["sm_90"])  # doctest: +SKIP
+    >>> reps[0].occupancy.limiter  # doctest: +SKIP
+    'warps'
+    """
+    spec = {"kernel": kernel, "args": args, "signature": signature, "constexprs": constexprs,
+            "configs": configs}
+    return sweep_occupancy([spec], num_warps=num_warps, num_stages=num_stages, archs=archs, grid=grid,
+                           gpus=gpus, cache_dir=cache_dir, progress=progress)
+
+
+def sweep_occupancy(
+    specs: Sequence[Mapping[str, Any]],
+    *,
+    num_warps: int | Sequence[int] | None = None,
+    num_stages: int | Sequence[int] | None = None,
+    archs: Sequence[str] = ("sm_80", "sm_90"),
+    grid: int | Sequence[int] | None = None,
+    gpus: Sequence[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+) -> list[KernelReport]:
+    """:func:`kernel_occupancy` for many kernels in one worker pool (one progress bar).
+
+    Each spec is a dict with ``kernel`` and ``signature`` (or ``args``), optional ``constexprs``,
+    ``configs`` and ``name`` (the reports' kernel name; default the function's) — the shape of
+    ``meshkit.kernels.builtin_kernel_specs()``.
+
+    >>> specs = [{"kernel": scale, "signature": "X=*fp32,N=i32", "constexprs": {"BLOCK": 1024}},
+    ...          {"kernel": matmul, "signature": MM_SIG, "name": "mm"}]  # doctest: +SKIP
+    >>> [r.kernel for r in sweep_occupancy(specs, archs=["sm_90"])]  # doctest: +SKIP
+    ['scale', 'mm']
+    """
+    arch_specs = list({s.name: s for s in (resolve_arch(a) for a in archs)}.values())  # "sm_90,H100" once
+    if not arch_specs:
+        raise ValueError("archs=[] is empty: name at least one target, e.g. archs=['sm_90'].")
+    if gpus is not None:
+        for g in gpus:
+            _gpu_arch(g)
+    entries = []
+    for spec in specs:
+        kernel = spec["kernel"]
+        sig = build_signature(kernel, args=spec.get("args"), signature=spec.get("signature"),
+                              constexprs=spec.get("constexprs"))
+        cfgs = spec.get("configs")
+        launch = launch_configs(kernel, num_warps=None if cfgs is not None else num_warps,
+                                num_stages=None if cfgs is not None else num_stages, configs=cfgs)
+        entries.append((kernel, sig, launch))
+    measured = compile_many(entries, [s.name for s in arch_specs], cache_dir=cache_dir, progress=progress)
+    reports = []
+    names = [spec.get("name") for spec in specs]
+    for name, res in ((n, r) for n, per_kernel in zip(names, measured) for r in per_kernel):
+        occ = theoretical_occupancy(res.arch, res.registers_per_thread, res.num_warps, res.shared_bytes)
+        waves: tuple[GridWaves, ...] = ()
+        if grid is not None:
+            waves = tuple(grid_waves(occ, grid, None if gpus is None else
+                                     [g for g in gpus if _gpu_arch(g) == res.arch]))
+        reports.append(KernelReport(dataclasses.replace(res, kernel=name) if name else res, occ, waves))
+    return reports
+
+
+def occupancy_text(reports: Sequence[KernelReport]) -> str:
+    """The plain-text table ``meshkit occupancy`` prints: one row per report, then each hint and its waves."""
+    head = ["kernel", "arch", "warps", "stages", "regs", "spill B", "smem B", "blocks/SM", "warps/SM", "occ",
+            "limiter"]
+    rows = [[r.kernel, r.arch, r.num_warps, r.num_stages, r.registers_per_thread, r.spill_bytes,
+             r.shared_bytes, r.occupancy.active_blocks_per_sm, r.occupancy.active_warps_per_sm,
+             f"{r.occupancy.occupancy:.0%}", r.occupancy.limiter] for r in reports]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows]]
+    for r in reports:
+        lines.append(f"{r.kernel} {r.arch} w{r.num_warps} s{r.num_stages}: {r.occupancy.hint}")
+        for w in r.waves:
+            lines.append(f"    {w.gpu}: {w.blocks} blocks, {w.blocks_per_wave}/wave -> {w.waves:.2f} waves, "
+                         f"tail {w.tail_utilisation:.0%}, efficiency {w.efficiency:.0%}")
+    return "\n".join(lines)
 
 
 def occupancy_markdown(reports: Sequence[KernelReport]) -> str:

@@ -48,12 +48,8 @@ def _meshkit_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     Positions are 0..T-1 (the model's default); rotary angles are recomputed on every stage.
     """
-    from meshkit.models.llama import rope_cos_sin
-
     h = self.tok_embeddings(x) if self.tok_embeddings is not None else x  # (B, T, D)
-    cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), self.config.head_dim, self.config.rope_theta)
-    for layer in self.layers.values():
-        h = layer(h, cos, sin)
+    h = self.forward_blocks(h)  # this stage's blocks
     if self.norm is not None:
         h = self.norm(h)
     return self.output(h) if self.output is not None else h

@@ -1,33 +1,5 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``: stage split, placement, schedules, timeline.
-
-One call turns a layer-stack model into this rank's pipeline stages and a torch schedule::
-
-    pipe = build_pipeline(model, pp_mesh, schedule="1f1b", batch_size=8)   # every pp rank
-    opt = torch.optim.AdamW(pipe.parameters())
-    loss = pipeline_step(pipe, tokens, labels)   # forward + backward over micro-batches
-    opt.step(); opt.zero_grad()                  # loss: the mean over micro-batches, same on every rank
-
-- **Split** (:func:`find_layer_stack`, :func:`balanced_split_points`): the repeated blocks
-  (``layers`` / ``model.layers``) are cut into ``pp × v`` contiguous stages balanced by a cost model
-  (parameters or matmul FLOPs per block, the embedding charged to the first stage and the final
-  norm + head to the last, so those get fewer blocks); ``split_points`` overrides. Each stage is a
-  copy of the model with the other stages' blocks removed and the pieces it does not own set to
-  None, so parameter FQNs are the full model's. Its ``forward`` is a stage forward for the model's
-  family (meshkit ``Transformer``, HF Llama-family ``*ForCausalLM``) that skips the None pieces and
-  rebuilds positions 0..T-1 (rotary angles, causal mask) on every stage; torchtitan-style models
-  keep their own forward, which already skips None modules.
-- **Placement** (:func:`stage_ids_on_rank`): looped, rank r holds stages r + s·pp; "V" for
-  ``zbv_zero_bubble`` and ``dualpipev`` (rank r holds r and 2·pp-1-r).
-- **Schedules** (:data:`SCHEDULES`): gpipe, 1f1b (one stage per rank); interleaved_1f1b,
-  looped_bfs, interleaved_zero_bubble, zbv_zero_bubble, dualpipev (``virtual_stages`` per rank,
-  default 2). Micro-batches: :func:`resolve_microbatches`.
-- **Loss**: the last stage computes ``loss_fn(output, labels)`` per micro-batch (default: token-mean
-  cross-entropy over logits). The schedule divides gradients by m, so with a mean loss and equal
-  micro-batches the gradients equal one process's full-batch gradients.
-- **Timeline**: with ``timeline_dir`` every F/B/I/W action is written to
-  ``pp_timeline_rank{R}.jsonl``; the format is documented in ``meshkit.plugins._pp_timeline``
-  and ``docs/pipeline.md``.
-"""
+"""Pipeline runtime: split a model into this rank's stages, wrap them in torch stages and a schedule,
+run training steps and forward-only evaluation (see :mod:`meshkit.plugins.pipeline`)."""
 
 from __future__ import annotations
 
@@ -41,52 +13,33 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from meshkit.plugins._pp_schedule import (
-    SCHEDULES,
+from meshkit.plugins.pipeline.schedule import (
     resolve_microbatches,
     resolve_virtual_stages,
     schedule_spec,
     stage_ids_on_rank,
     stage_rank,
-    theoretical_bubble,
 )
-from meshkit.plugins._pp_split import (
-    STAGE_FORWARDS,
+from meshkit.plugins.pipeline.split import (
     LayerStack,
     balanced_split_points,
-    build_rank_module,
     build_stage_module,
-    stage_view,
     check_split_points,
     find_layer_stack,
     stack_costs,
 )
-from meshkit.plugins._pp_timeline import TIMELINE_FIELDS, TIMELINE_FILE, TimelineRecorder, read_timeline
+from meshkit.schedules import canonical_schedule
+from meshkit.timeline import TimelineRecorder
 
 __all__ = [
-    "SCHEDULES",
-    "STAGE_FORWARDS",
-    "TIMELINE_FIELDS",
-    "TIMELINE_FILE",
-    "LayerStack",
     "Pipeline",
-    "TimelineRecorder",
-    "balanced_split_points",
     "build_pipeline",
-    "build_rank_module",
     "causal_lm_loss",
-    "find_layer_stack",
     "make_pipeline",
     "pipeline_eval",
     "pipeline_step",
     "plan_split",
-    "read_timeline",
-    "resolve_microbatches",
-    "resolve_virtual_stages",
     "split_model",
-    "stage_view",
-    "stage_ids_on_rank",
-    "theoretical_bubble",
 ]
 
 
@@ -204,7 +157,7 @@ def build_pipeline(
     Args:
         model: a layer-stack model (see :func:`find_layer_stack`); it is copied, not changed.
         pp_mesh: the 1-D "pp" DeviceMesh (``parallel_dims.submesh("pp")``) or a ProcessGroup.
-        schedule: a key of :data:`SCHEDULES`.
+        schedule: a name of :data:`~meshkit.plugins.pipeline.SCHEDULES` (or an alias, see :mod:`meshkit.schedules`).
         batch_size: sequences per step on this rank (what ``pipeline_step`` receives).
         microbatches, virtual_stages, split_points: see :func:`resolve_microbatches`,
             :func:`resolve_virtual_stages`, :func:`plan_split`; None picks the defaults.
@@ -267,7 +220,7 @@ def make_pipeline(
     sched = spec.cls(stages if spec.multi_stage else stages[0], n_microbatches=m, loss_fn=loss_fn)
     return Pipeline(
         schedule=sched, stages=stages, modules=list(modules), stage_ids=tuple(stage_ids), num_stages=num_stages,
-        split_points=list(split_points or []), microbatches=m, schedule_name=schedule.lower(), group=group,
+        split_points=list(split_points or []), microbatches=m, schedule_name=canonical_schedule(schedule), group=group,
         last_stage_rank=stage_rank(num_stages - 1, pp, num_stages, spec.placement), loss_fn=loss_fn,
         recorder=recorder, device=dev,
     )

@@ -192,7 +192,7 @@ class PipelineHooks:
 
 
 def _last_rank(hooks: PipelineHooks) -> int:
-    from meshkit.plugins._pp_schedule import stage_rank
+    from meshkit.plugins.pipeline.schedule import stage_rank
 
     return stage_rank(hooks.num_stages - 1, dist.get_world_size(hooks.group), hooks.num_stages,
                       schedule_spec(hooks.schedule).placement)

@@ -1,6 +1,7 @@
-"""Pipeline schedule table, stage placement and micro-batch rules (pure functions, no process group).
+"""Pipeline schedules on torch: the class of each name, stage placement, micro-batch resolution.
 
-Private to :mod:`meshkit.plugins.pipeline`, which re-exports the public names.
+The vocabulary, its rules and the bubble theory live in :mod:`meshkit.schedules` (shared with the
+planner and ``meshkit bubble``); this module adds what needs torch or a batch size.
 """
 
 from __future__ import annotations
@@ -18,60 +19,72 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from meshkit.schedules import (
+    SCHEDULE_FACTS,
+    ScheduleFacts,
+    canonical_schedule,
+    microbatches_problem,
+    min_microbatches,
+    resolve_virtual_stages,
+    theoretical_bubble,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleSpec",
+    "schedule_spec",
+    "resolve_virtual_stages",
+    "resolve_microbatches",
+    "stage_ids_on_rank",
+    "stage_rank",
+    "theoretical_bubble",
+]
+
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """What meshkit needs to know about one torch schedule."""
+    """A schedule's torch class beside its facts (:class:`meshkit.schedules.ScheduleFacts`)."""
 
     cls: type
     """The torch.distributed.pipelining schedule class."""
-    multi_stage: bool
-    """True: several stages per rank (takes ``virtual_stages``); False: exactly one."""
-    placement: str
-    """"loop" (stage s on pp rank s % pp) or "v" (rank r holds stages r and 2·pp-1-r)."""
-    min_microbatches: str
-    """The smallest micro-batch count torch accepts: "1", "stages" (one per stage)."""
+    facts: ScheduleFacts
+    """Stages per rank, placement, micro-batch rules (the ground floor's record)."""
 
+    @property
+    def multi_stage(self) -> bool:
+        return self.facts.multi_stage
+
+    @property
+    def placement(self) -> str:
+        return self.facts.placement
+
+    @property
+    def min_microbatches(self) -> str:
+        return self.facts.min_microbatches
+
+
+_CLASSES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
 
 SCHEDULES: dict[str, ScheduleSpec] = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, False, "loop", "1"),
-    "1f1b": ScheduleSpec(Schedule1F1B, False, "loop", "stages"),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, True, "loop", "1"),
-    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, True, "loop", "1"),
-    "interleaved_zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, True, "loop", "1"),
-    "zbv_zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, True, "v", "stages"),
-    "dualpipev": ScheduleSpec(ScheduleDualPipeV, True, "v", "stages"),
+    name: ScheduleSpec(cls, SCHEDULE_FACTS[name]) for name, cls in _CLASSES.items()
 }
+"""torch's schedule names -> :class:`ScheduleSpec` (the names of :data:`meshkit.schedules.SCHEDULE_NAMES`)."""
 
 
 def schedule_spec(schedule: str) -> ScheduleSpec:
-    """The :class:`ScheduleSpec` of ``schedule`` (case-insensitive); unknown names raise."""
-    key = str(schedule).lower()
-    if key not in SCHEDULES:
-        raise ValueError(f"pipeline: `pp_schedule={schedule!r}` is not a known schedule. Use one of {sorted(SCHEDULES)}.")
-    return SCHEDULES[key]
-
-
-def resolve_virtual_stages(schedule: str, virtual_stages: int | None) -> int:
-    """Stages per rank: 1 for single-stage schedules, ``virtual_stages`` (default 2) for multi-stage ones."""
-    spec = schedule_spec(schedule)
-    if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
-        raise ValueError(f"pipeline: `pp_virtual_stages={virtual_stages!r}` must be a positive int.")
-    if not spec.multi_stage:
-        if virtual_stages not in (None, 1):
-            multi = sorted(k for k, s in SCHEDULES.items() if s.multi_stage)
-            raise ValueError(
-                f"pipeline: `pp_virtual_stages={virtual_stages}` needs a multi-stage schedule, but "
-                f"`pp_schedule={schedule!r}` runs exactly one stage per rank. Drop pp_virtual_stages or use one of {multi}."
-            )
-        return 1
-    v = 2 if virtual_stages is None else virtual_stages
-    if spec.placement == "v" and v != 2:
-        raise ValueError(
-            f"pipeline: `pp_schedule={schedule!r}` places stages in a V and needs exactly 2 stages per rank; "
-            f"got `pp_virtual_stages={v}`. Use pp_virtual_stages=2."
-        )
-    return v
+    """The :class:`ScheduleSpec` of ``schedule`` (any spelling :func:`meshkit.schedules.canonical_schedule` accepts)."""
+    try:
+        return SCHEDULES[canonical_schedule(schedule, "pp_schedule")]
+    except ValueError as exc:
+        raise ValueError(f"pipeline: {exc}") from None
 
 
 def stage_ids_on_rank(pp_rank: int, pp: int, virtual_stages: int, placement: str = "loop") -> tuple[int, ...]:
@@ -99,38 +112,11 @@ def stage_rank(stage: int, pp: int, num_stages: int, placement: str = "loop") ->
     return stage % pp
 
 
-def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of an ideal pipeline with equal-cost stages and free communication.
-
-    GPipe and 1F1B: ``(p-1)/(m+p-1)`` (Huang et al. 2019; Narayanan et al. 2021 §2.2).
-    Multi-stage (interleaved, looped BFS): ``(p-1)/(v·m+p-1)`` (Narayanan et al. 2021 §2.2.1). The
-    zero-bubble schedules (interleaved_zero_bubble, zbv_zero_bubble, dualpipev) get the same
-    interleaved figure as an upper bound: they fill part of it with weight-gradient (W) work.
-
-    >>> round(theoretical_bubble("gpipe", 4, 8), 4), round(theoretical_bubble("interleaved_1f1b", 4, 8, 2), 4)
-    (0.2727, 0.1579)
-    """
-    v = 1 if not schedule_spec(schedule).multi_stage else virtual_stages
-    return (pp - 1) / (v * microbatches + pp - 1)
-
-
-def _min_microbatches(spec: ScheduleSpec, num_stages: int) -> int:
-    return num_stages if spec.min_microbatches == "stages" else 1
-
-
 def _microbatches_problem(schedule: str, pp: int, v: int, batch_size: int, m: int) -> str | None:
-    """Why ``m`` micro-batches cannot run, or None when they can."""
-    spec = schedule_spec(schedule)
+    """Why ``m`` micro-batches cannot run on a per-rank batch of ``batch_size``, or None when they can."""
     if batch_size % m:
         return f"it must divide the per-rank batch size `batch_size={batch_size}` (equal micro-batches keep the loss exact)"
-    low = _min_microbatches(spec, pp * v)
-    if m < low:
-        return f"`pp_schedule={schedule!r}` needs at least one micro-batch per stage ({low} stages)"
-    if spec.cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble):
-        rounds = max(1, m // pp)
-        if m % rounds:
-            return f"`pp_schedule={schedule!r}` runs rounds of pp={pp}; m must be a multiple of max(1, m // pp) = {rounds}"
-    return None
+    return microbatches_problem(schedule, pp, v, m)
 
 
 def resolve_microbatches(
@@ -151,7 +137,7 @@ def resolve_microbatches(
     if microbatches is None:
         fits = [m for m in range(1, batch_size + 1) if _microbatches_problem(schedule, pp, v, batch_size, m) is None]
         if not fits:
-            low = _min_microbatches(schedule_spec(schedule), pp * v)
+            low = min_microbatches(schedule, pp, v)
             raise ValueError(
                 f"pipeline: no micro-batch count suits `batch_size={batch_size}` with `pp_schedule={schedule!r}`, "
                 f"`pp={pp}`, `pp_virtual_stages={v}`: it needs at least {low} equal micro-batches. "

@@ -1,61 +1,116 @@
-"""Private helpers of :mod:`meshkit.plugins.context_parallel`: layouts, per-block attention, the three variants.
+"""Context-parallel attention: per-block math, the ring / all-gather / Ulysses variants, and the entry point.
 
 Shapes: q (B, H, T_loc, D), k and v (B, Hkv, T_loc, D) with ``H % Hkv == 0`` (GQA); ``T_loc`` is the
-local (sharded) sequence, ``T = cp * T_loc`` the full one. A *chunk* is ``T // (2 cp)`` tokens in the
-load-balanced layout (rank r holds chunks r and 2cp-1-r) and ``T // cp`` in the contiguous one.
+local (sharded) sequence, ``T = cp * T_loc`` the full one, cut by a layout of :mod:`.layout`.
 
 Per-block attention returns the log-sum-exp (LSE) of each query row so partial outputs over disjoint
 key sets merge exactly: ``lse = logaddexp(l1, l2)``, ``out = o1·e^(l1-lse) + o2·e^(l2-lse)``. The
 backward of a block reuses the *final* output and LSE (the flash-attention identity: P = exp(S - lse),
 dS = P ∘ (dP - rowsum(dO ∘ O))), so the per-block gradients add up to the full gradient.
+
+Example (one block: the whole sequence, one process)::
+
+    >>> import torch
+    >>> q = torch.randn(1, 2, 4, 8)                                       # (B, H, T, D)
+    >>> out, lse = block_forward(q, q, q, causal=True, scale=8**-0.5)
+    >>> tuple(out.shape), tuple(lse.shape)
+    ((1, 2, 4, 8), (1, 2, 4))
 """
 
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-P2P_TIMEOUT = timedelta(seconds=120)
-"""Timeout of every wait on a point-to-point op or collective issued here."""
+from meshkit.plugins.context_parallel.layout import (
+    P2P_TIMEOUT,
+    Group,
+    check_layout,
+    chunks_of_rank,
+    layout_index,
+    process_group,
+)
 
-# torch 2.13 renames the tensor collectives (*_single) and deprecates the old names; both checked on 2.6-2.13.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = [
+    "CP_ATTENTIONS",
+    "check_cp_heads",
+    "context_parallel_attention",
+    "block_forward",
+    "block_backward",
+    "merge",
+    "RingAttention",
+    "AllGatherAttention",
+    "ulysses_attention",
+]
 
-VARIANTS = ("ring", "allgather", "ulysses")
-LAYOUTS = ("load_balanced", "contiguous")
-
-
-# ---- layouts ----------------------------------------------------------------------------------------
-def chunks_of_rank(rank: int, cp: int, layout: str) -> list[int]:
-    """Global chunk indices rank ``rank`` holds, in local order."""
-    return [rank, 2 * cp - 1 - rank] if layout == "load_balanced" else [rank]
-
-
-def layout_index(seq_len: int, cp: int, layout: str, device: Any = None) -> torch.Tensor:
-    """(T,) natural positions in layout order: rank 0's shard first, then rank 1's, ... ."""
-    n_chunks = 2 * cp if layout == "load_balanced" else cp
-    chunk = seq_len // n_chunks
-    base = torch.arange(seq_len, device=device).view(n_chunks, chunk)
-    return torch.cat([base[c] for r in range(cp) for c in chunks_of_rank(r, cp, layout)])
+CP_ATTENTIONS: tuple[str, ...] = ("ring", "allgather", "ulysses")
+"""The context-parallel attention schemes (``attention=``)."""
 
 
-def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"context_parallel: `layout={layout!r}` is not one of {LAYOUTS}.")
-    n = 2 * cp if layout == "load_balanced" else cp
-    if seq_len % n:
-        rule = "2·cp" if layout == "load_balanced" else "cp"
-        raise ValueError(
-            f"context_parallel: `{what}={seq_len}` must be divisible by {rule}={n} for `layout={layout!r}` "
-            f"with `cp={cp}` (each rank holds {'two equal chunks' if n == 2 * cp else 'one equal chunk'}). "
-            f"Pad the sequence to a multiple of {n}."
-        )
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Any:
+    # torch 2.13 renames the tensor collectives (*_single) and deprecates the old names; both checked on 2.6-2.13.
+    # Looked up per call, so a benchmark wrapping torch.distributed's entry points sees every call.
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: ProcessGroup) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # as in _all_gather
+    return fn(out, inp, group=group, async_op=True)
+
+
+# ---- the heads rule ------------------------------------------------------------------------------------
+def _ulysses_fits(heads: int, kv_heads: int, cp: int) -> bool:
+    """Ulysses splits heads over cp: q heads divisible by cp; kv heads split (multiple) or replicated (divisor)."""
+    return heads % cp == 0 and (kv_heads % cp == 0 or cp % kv_heads == 0)
+
+
+def check_cp_heads(
+    heads: int,
+    kv_heads: int | None,
+    tp: int | None,
+    cp: int,
+    attention: str,
+    *,
+    owner: str = "context_parallel",
+    option: str = "cp_attention",
+) -> None:
+    """Raise ValueError unless ``attention`` can run with ``cp`` on these heads; the one home of that rule.
+
+    Only ``"ulysses"`` constrains heads: it splits heads over the cp ranks, so the heads per TP rank
+    must be divisible by cp and the kv heads per TP rank a multiple of cp (split) or a divisor of it
+    (replicated). ``heads``/``kv_heads`` are the model's (``kv_heads=None``: no GQA) and ``tp`` its TP
+    degree; ``tp=None`` says they are already one TP rank's (what the attention call sees). ``owner``
+    and ``option`` name the caller and the option the user set, for the message.
+
+    Example::
+
+        >>> check_cp_heads(32, 8, tp=4, cp=2, attention="ulysses")   # 8 heads, 2 kv heads per TP rank: fits
+        >>> check_cp_heads(12, 4, tp=2, cp=4, attention="ulysses")   # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ValueError: context_parallel: `cp_attention='ulysses'` with `cp=4` and `tp=2` needs the heads per TP rank ...
+    """
+    if attention != "ulysses":
+        return
+    kv_heads = kv_heads or heads
+    local, local_kv = (heads, kv_heads) if tp is None else (heads // tp, max(1, kv_heads // tp))
+    if _ulysses_fits(local, local_kv, cp):
+        return
+    fits = [c for c in range(2, local + 1) if _ulysses_fits(local, local_kv, c)]
+    sizes = (
+        f"`num_heads={local}` divisible by cp and `num_kv_heads={local_kv}`"
+        if tp is None
+        else f"the heads per TP rank ({local}) divisible by cp and the kv heads per TP rank ({local_kv})"
+    )
+    raise ValueError(
+        f"{owner}: `{option}='ulysses'` with `cp={cp}`{'' if tp is None else f' and `tp={tp}`'} needs {sizes} "
+        "either divisible by cp or dividing it (kv heads are then replicated). "
+        f"Use {option}='ring' or 'allgather', or a cp that fits the heads ({fits or 'none above 1'})."
+    )
 
 
 # ---- per-block attention with LSE ---------------------------------------------------------------------
@@ -145,6 +200,18 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _save(ctx: Any, q, k, v, out, lse, group: ProcessGroup, causal: bool, layout: str, scale: float) -> torch.Tensor:
+    """Keep what a variant's backward needs (local q, k, v, the merged out and lse); return out in q's dtype."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
+    return out.to(q.dtype)
+
+
+def _restore(ctx: Any) -> tuple:
+    """(q, k, v, out, lse, group, rank, cp) saved by :func:`_save`."""
+    return (*ctx.saved_tensors, ctx.group, dist.get_rank(ctx.group), dist.get_world_size(ctx.group))
+
+
 # ---- communication --------------------------------------------------------------------------------------
 def _wait(works: list[Any]) -> None:
     for w in works:
@@ -177,6 +244,11 @@ def ring_plan(step: int, rank: int, cp: int, causal: bool, layout: str, t_loc: i
 
 
 class RingAttention(torch.autograd.Function):
+    """Ring attention: K/V hop rank to rank (overlapped with the block in hand), dK/dV accumulators follow.
+
+    ``RingAttention.apply(q, k, v, group, causal, layout, scale)``; call :func:`context_parallel_attention`.
+    """
+
     @staticmethod
     def forward(ctx: Any, q, k, v, group, causal, layout, scale):  # type: ignore[override]
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -198,15 +270,11 @@ class RingAttention(torch.autograd.Function):
             if step + 1 < cp:
                 _wait(works)
                 kv = nxt
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
-        return out.to(q.dtype)
+        return _save(ctx, q, k, v, out, lse, group, causal, layout, scale)
 
     @staticmethod
     def backward(ctx: Any, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        q, k, v, out, lse, group, rank, cp = _restore(ctx)
         t_loc = q.shape[2]
         kv = torch.stack([k, v]).contiguous()
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
@@ -244,7 +312,7 @@ def _gather_kv(k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, layout: st
     cp = dist.get_world_size(group)
     kv = torch.stack([k, v]).contiguous()
     gathered = torch.empty((cp * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)  # gloo: flat along dim 0
-    _wait([_all_gather(gathered, kv, group=group, async_op=True)])
+    _wait([_all_gather(gathered, kv, group)])
     gathered = gathered.view(cp, *kv.shape)
     t = cp * k.shape[2]
     natural = torch.argsort(layout_index(t, cp, layout, device=k.device))
@@ -267,6 +335,11 @@ def allgather_plan(rank: int, cp: int, causal: bool, layout: str, t_loc: int) ->
 
 
 class AllGatherAttention(torch.autograd.Function):
+    """All-gather K/V, attend the local queries; backward gathers again and reduce-scatters dK/dV (Llama 3).
+
+    ``AllGatherAttention.apply(q, k, v, group, causal, layout, scale)``; call :func:`context_parallel_attention`.
+    """
+
     @staticmethod
     def forward(ctx: Any, q, k, v, group, causal, layout, scale):  # type: ignore[override]
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
@@ -282,15 +355,11 @@ class AllGatherAttention(torch.autograd.Function):
                 out[:, :, qs], lse[:, :, qs] = o, l
                 done.add(qs.start)
         # The gathered K/V are not kept: backward gathers again, so saved memory stays 1/cp.
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.layout, ctx.scale = group, causal, layout, scale
-        return out.to(q.dtype)
+        return _save(ctx, q, k, v, out, lse, group, causal, layout, scale)
 
     @staticmethod
     def backward(ctx: Any, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        q, k, v, out, lse, group, rank, cp = _restore(ctx)
         kv = _gather_kv(k, v, group, ctx.layout)
         dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
         dkv = torch.zeros(kv.shape, dtype=_acc_dtype(q.dtype), device=q.device)
@@ -303,7 +372,7 @@ class AllGatherAttention(torch.autograd.Function):
         idx = layout_index(kv.shape[3], cp, ctx.layout, device=q.device)
         shards = dkv[:, :, :, idx].unflatten(3, (cp, -1)).permute(3, 0, 1, 2, 4, 5).flatten(0, 1).contiguous()
         mine = torch.empty((2, *shards.shape[1:]), dtype=shards.dtype, device=shards.device)
-        _wait([_reduce_scatter(mine, shards, group=group, async_op=True)])
+        _wait([_reduce_scatter(mine, shards, group)])
         return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None, None
 
 
@@ -346,6 +415,7 @@ def heads_to_seq(x: torch.Tensor, group: ProcessGroup, index: torch.Tensor) -> t
 
 
 def ulysses_attention(q, k, v, group, causal: bool, layout: str, scale: float) -> torch.Tensor:
+    """All-to-all to head-sharded, full-sequence SDPA on H/cp heads, all-to-all back (heads: :func:`check_cp_heads`)."""
     cp = dist.get_world_size(group)
     hkv = k.shape[1]
     if hkv % cp:  # cp % hkv == 0 was checked: replicate each kv head so every rank gets the one its q heads use
@@ -355,3 +425,54 @@ def ulysses_attention(q, k, v, group, causal: bool, layout: str, scale: float) -
     qh, kh, vh = (seq_to_heads(t, group, order) for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=True)
     return heads_to_seq(out, group, index)
+
+
+# ---- entry point ----------------------------------------------------------------------------------------
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, attention: str, layout: str) -> None:
+    if attention not in CP_ATTENTIONS:
+        raise ValueError(f"context_parallel_attention: `attention={attention!r}` is not one of {CP_ATTENTIONS}.")
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            "context_parallel_attention: q, k, v must be (B, H, T_local, D) with k and v the same shape; got "
+            f"`q.shape={tuple(q.shape)}`, `k.shape={tuple(k.shape)}`, `v.shape={tuple(v.shape)}`."
+        )
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"context_parallel_attention: `q.shape={tuple(q.shape)}` and `k.shape={tuple(k.shape)}` must share B, "
+            "T_local and D, and the kv heads must divide the query heads."
+        )
+    check_layout(cp * q.shape[2], cp, layout, "seq_len")
+    # q and k carry this TP rank's heads already: tp=None.
+    check_cp_heads(q.shape[1], k.shape[1], None, cp, attention, owner="context_parallel_attention", option="attention")
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Group,
+    *,
+    causal: bool = True,
+    attention: str = "ring",
+    layout: str = "load_balanced",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention of sequence-sharded q (B, H, T/cp, D), k, v (B, Hkv, T/cp, D) over ``group``.
+
+    Returns this rank's rows of the full-sequence attention, (B, H, T/cp, D), differentiable in q, k, v.
+    ``group`` is the cp ProcessGroup or a 1-D DeviceMesh; every rank of it must call with the same
+    shapes and options. ``layout`` says how the shards were cut (see :func:`.layout.shard_sequence`).
+    Errors in the arguments are raised before any communication.
+
+    Example (on every rank of a 1-D cp mesh ``mesh``)::
+
+        >>> out = context_parallel_attention(q_local, k_local, v_local, mesh, attention="allgather")  # doctest: +SKIP
+    """
+    pg = process_group(group)
+    cp = dist.get_world_size(pg)
+    _check_attention(q, k, v, cp, attention, layout)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if attention == "ulysses":
+        return ulysses_attention(q, k, v, pg, causal, layout, scale)
+    fn = RingAttention if attention == "ring" else AllGatherAttention
+    return fn.apply(q, k, v, pg, causal, layout, scale)

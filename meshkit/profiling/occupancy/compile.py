@@ -4,21 +4,26 @@ Triton's CUDA backend lowers a ``@triton.jit`` function to PTX and runs the ``pt
 for any ``GPUTarget("cuda", capability, 32)``, with no driver involved. From the cubin we read
 registers per thread, local (stack + spill) bytes and static shared memory with the wheel's
 ``cuobjdump --dump-resource-usage``; dynamic shared memory is Triton's ``metadata.shared`` (what its
-launcher passes at launch), and spill stores/loads come from ``ptxas -v``.
+launcher passes at launch), and spill stores/loads come from ``ptxas -v``. Each kernel x arch x config
+gives one :class:`KernelResources`, the record the reports compose.
 
 Compiles run in this process, or, when this process set ``TRITON_INTERPRET=1`` before importing
-triton (as the test suite and CPU runs do), in worker subprocesses (``python -m
-meshkit.profiling.occupancy_compile``): in interpreter mode ``tl.sum`` & co. are interpreter versions
-that Triton's compiler cannot lower. A worker imports the kernel by module name (or file path) and
-qualname, so the kernel must be defined at module level, and a script that defines one must keep its
-own work under ``if __name__ == "__main__":`` (the worker imports the file).
+triton (as the test suite and CPU runs do), in worker subprocesses (fresh interpreters): in interpreter
+mode ``tl.sum`` & co. are interpreter versions that Triton's compiler cannot lower. A
+worker imports the kernel by module name (or file path) and qualname, so the kernel must be defined at
+module level, and a script that defines one must keep its own work under
+``if __name__ == "__main__":`` (the worker imports the file).
 
 Results are cached on disk, one JSON file per key: the kernel's source and its module file's text,
 its qualname, the triton version, the arch, the launch config, the signature and the constexprs.
 Helpers imported from *other* files are not part of the key: clear the cache (``cache_dir``) after
 editing them.
-"""
 
+>>> sig = build_signature(kernel, signature="X=*fp32,N=i32", constexprs={"BLOCK": 1024})  # doctest: +SKIP
+>>> (res,) = compile_resources(kernel, sig, launch_configs(kernel), ["sm_90"])  # doctest: +SKIP
+>>> res.registers_per_thread, res.spill_store_bytes  # doctest: +SKIP
+(16, 0)
+"""
 from __future__ import annotations
 
 import contextlib
@@ -49,6 +54,7 @@ __all__ = [
     "compile_many",
     "compile_resources",
     "default_cache_dir",
+    "import_file",
     "launch_configs",
 ]
 
@@ -58,6 +64,10 @@ _TORCH_DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "floa
                  "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8", "bool": "i1",
                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
 _WORKER_TIMEOUT_S = 600.0
+# a compile worker: JSON jobs on stdin, one JSON line per job on stdout; `-c`, not `-m`, because the
+# package's __init__ imports this module first (runpy would warn and run a second copy)
+_WORKER_ARGS = ("-c", "from meshkit.profiling.occupancy.compile import _worker_main; "
+                      "raise SystemExit(_worker_main())")
 
 
 class KernelCompileError(ValueError):
@@ -85,22 +95,40 @@ class LaunchConfig:
 
 @dataclass(frozen=True)
 class KernelResources:
-    """What the cubin of one kernel x arch x config uses."""
+    """What the cubin of one kernel x arch x config uses: the one resources record.
+
+    Its fields are also the on-disk cache format (one JSON object per entry).
+    """
 
     kernel: str
+    """The kernel's function name."""
     arch: str
+    """``"sm_90"``."""
     num_warps: int
     num_stages: int
     constexprs: dict[str, Any]
+    """Every ``tl.constexpr`` value the kernel was compiled with (signature's and config's)."""
     registers_per_thread: int
+    """Cubin ``REG`` (what the driver reports as ``n_regs``)."""
     spill_store_bytes: int
+    """Bytes of spill stores ptxas reports (``ptxas -v``)."""
     spill_load_bytes: int
+    """Bytes of spill loads ptxas reports (``ptxas -v``)."""
     local_bytes: int
+    """Local memory per thread from the cubin (stack frame incl. spills)."""
     stack_bytes: int
     static_shared_bytes: int
+    """Cubin ``SHARED``."""
     dynamic_shared_bytes: int
+    """Triton's ``metadata.shared``: what its launcher passes at launch."""
     compile_seconds: float
     cached: bool = False
+    """True when read back from the cache instead of compiled."""
+
+    @property
+    def shared_bytes(self) -> int:
+        """Static + dynamic shared memory per block (the CUDA reservation excluded)."""
+        return self.static_shared_bytes + self.dynamic_shared_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -461,7 +489,7 @@ def _run_pool(jobs: list[dict], progress: bool, n: int):
     out: queue.Queue = queue.Queue()
     procs = []
     for chunk in chunks:
-        proc = subprocess.Popen([sys.executable, "-m", "meshkit.profiling.occupancy_compile"],
+        proc = subprocess.Popen([sys.executable, *_WORKER_ARGS],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=_worker_env(), text=True)
         procs.append(proc)
@@ -638,7 +666,3 @@ def _worker_main() -> int:
         real_stdout.write(json.dumps(msg) + "\n")
         real_stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_worker_main())

@@ -1,0 +1,185 @@
+"""Chunk layouts of a context-parallel sequence: which tokens each cp rank holds, and how to cut and restore.
+
+A *chunk* is ``T // (2 cp)`` tokens in the ``"load_balanced"`` layout (rank r holds chunks r and
+2cp-1-r, so every rank does the same causal work) and ``T // cp`` in the ``"contiguous"`` one (rank r
+holds chunk r). The bottom layer of :mod:`meshkit.plugins.context_parallel`: attention and model
+integration import it, it imports neither.
+
+Example::
+
+    >>> layout_index(8, cp=2, layout="load_balanced").tolist()  # rank 0's shard first, then rank 1's
+    [0, 1, 6, 7, 2, 3, 4, 5]
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "CP_LAYOUTS",
+    "P2P_TIMEOUT",
+    "POSITION_KEYS",
+    "Group",
+    "process_group",
+    "chunks_of_rank",
+    "layout_index",
+    "check_layout",
+    "shard_sequence",
+    "gather_sequence",
+    "sequence_positions",
+    "shard_batch",
+]
+
+CP_LAYOUTS: tuple[str, ...] = ("load_balanced", "contiguous")
+"""How a sequence is cut over the cp ranks (``layout=``)."""
+
+P2P_TIMEOUT = timedelta(seconds=120)
+"""Timeout of every wait on a point-to-point op or collective issued by context parallelism."""
+
+POSITION_KEYS: tuple[str, ...] = ("positions", "position_ids")
+"""Batch keys / forward arguments that carry token positions."""
+
+Group = Union[ProcessGroup, DeviceMesh]
+
+
+def process_group(group: Group) -> ProcessGroup:
+    """The cp ProcessGroup of ``group`` (a ProcessGroup, or a 1-D DeviceMesh such as ``mesh["cp"]``)."""
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"context_parallel: the cp mesh must be 1-D, got `mesh.ndim={group.ndim}`; pass mesh['cp']."
+            )
+        return group.get_group()
+    return group
+
+
+def chunks_of_rank(rank: int, cp: int, layout: str) -> list[int]:
+    """Global chunk indices rank ``rank`` holds, in local order.
+
+    Example::
+
+        >>> chunks_of_rank(1, cp=3, layout="load_balanced"), chunks_of_rank(1, cp=3, layout="contiguous")
+        ([1, 4], [1])
+    """
+    return [rank, 2 * cp - 1 - rank] if layout == "load_balanced" else [rank]
+
+
+def layout_index(seq_len: int, cp: int, layout: str, device: Any = None) -> torch.Tensor:
+    """(T,) natural positions in layout order: rank 0's shard first, then rank 1's, ... ."""
+    n_chunks = 2 * cp if layout == "load_balanced" else cp
+    chunk = seq_len // n_chunks
+    base = torch.arange(seq_len, device=device).view(n_chunks, chunk)
+    return torch.cat([base[c] for r in range(cp) for c in chunks_of_rank(r, cp, layout)])
+
+
+def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
+    """Raise ValueError unless ``layout`` is known and ``seq_len`` (named ``what``) splits into its equal chunks."""
+    if layout not in CP_LAYOUTS:
+        raise ValueError(f"context_parallel: `layout={layout!r}` is not one of {CP_LAYOUTS}.")
+    n = 2 * cp if layout == "load_balanced" else cp
+    if seq_len % n:
+        rule = "2·cp" if layout == "load_balanced" else "cp"
+        raise ValueError(
+            f"context_parallel: `{what}={seq_len}` must be divisible by {rule}={n} for `layout={layout!r}` "
+            f"with `cp={cp}` (each rank holds {'two equal chunks' if n == 2 * cp else 'one equal chunk'}). "
+            f"Pad the sequence to a multiple of {n}."
+        )
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1, layout: str = "load_balanced") -> torch.Tensor:
+    """This rank's shard of the full tensor ``x`` along ``dim`` (rank r: chunks r and 2cp-1-r, or chunk r).
+
+    Example::
+
+        >>> shard_sequence(torch.arange(8), cp_rank=1, cp=2, dim=0).tolist()
+        [2, 3, 4, 5]
+        >>> shard_sequence(torch.arange(8), cp_rank=1, cp=2, dim=0, layout="contiguous").tolist()
+        [4, 5, 6, 7]
+    """
+    seq_len = x.shape[dim]
+    check_layout(seq_len, cp, layout, f"x.shape[{dim}]")
+    if not 0 <= cp_rank < cp:
+        raise ValueError(f"shard_sequence: `cp_rank={cp_rank}` must be in [0, cp={cp}).")
+    t_loc = seq_len // cp
+    idx = layout_index(seq_len, cp, layout, device=x.device)[cp_rank * t_loc : (cp_rank + 1) * t_loc]
+    return x.index_select(dim, idx)
+
+
+def gather_sequence(x: torch.Tensor, group: Group, dim: int = 1, layout: str = "load_balanced") -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: all-gather the shards of ``group`` and restore the natural order.
+
+    Example (on every rank of a 1-D cp mesh ``mesh``)::
+
+        >>> full = gather_sequence(shard_sequence(x, mesh.get_local_rank(), mesh.size()), mesh)  # doctest: +SKIP
+    """
+    pg = process_group(group)
+    cp = dist.get_world_size(pg)
+    check_layout(cp * x.shape[dim], cp, layout, f"cp*x.shape[{dim}]")
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(cp)]
+    dist.all_gather(parts, x, group=pg, async_op=True).wait(timeout=P2P_TIMEOUT)
+    full = torch.cat(parts, dim=dim)
+    order = torch.argsort(layout_index(full.shape[dim], cp, layout, device=x.device))
+    return full.index_select(dim, order)
+
+
+def sequence_positions(
+    seq_len: int, cp_rank: int, cp: int, layout: str = "load_balanced", device: Any = None
+) -> torch.Tensor:
+    """(seq_len / cp,) global positions of this rank's tokens, for rotary embeddings.
+
+    Example::
+
+        >>> sequence_positions(8, cp_rank=0, cp=2).tolist()
+        [0, 1, 6, 7]
+    """
+    return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp, dim=0, layout=layout)
+
+
+def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "load_balanced") -> dict[str, torch.Tensor]:
+    """This cp rank's part of a batch: ``{"input_ids", "labels", "positions", ...}`` sharded along ``seq_dim``.
+
+    ``batch`` is a dict with ``input_ids`` (and usually ``labels``; ``positions``/``position_ids`` if the data
+    carries them) or a (B, T+1) token tensor, split into inputs ``[:, :-1]`` and labels ``[:, 1:]``.
+    Every tensor entry whose size at ``seq_dim`` equals the sequence length is sharded; ``positions``
+    (B, T/cp) hold the global positions of the local tokens. With ``cp == 1`` nothing is cut.
+
+    Example::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> out = shard_batch(torch.arange(9)[None], dist.group.WORLD)
+        >>> out["input_ids"].tolist(), out["labels"].tolist(), out["positions"].tolist()
+        ([[0, 1, 2, 3, 4, 5, 6, 7]], [[1, 2, 3, 4, 5, 6, 7, 8]], [[0, 1, 2, 3, 4, 5, 6, 7]])
+        >>> dist.destroy_process_group()
+    """
+    pg = process_group(cp_mesh)
+    cp, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    if isinstance(batch, torch.Tensor):
+        n = batch.shape[seq_dim] - 1
+        batch = {"input_ids": batch.narrow(seq_dim, 0, n), "labels": batch.narrow(seq_dim, 1, n)}
+    elif not isinstance(batch, dict) or "input_ids" not in batch:
+        raise ValueError(
+            f"shard_batch: `batch` must be a token tensor or a dict with 'input_ids', got {type(batch).__name__}"
+            + (f" with keys {sorted(batch)}" if isinstance(batch, dict) else "")
+            + "."
+        )
+    tokens = batch["input_ids"]
+    seq_len = tokens.shape[seq_dim]
+    check_layout(seq_len, cp, layout, f"input_ids.shape[{seq_dim}]")
+    out = dict(batch)
+    if not any(key in batch for key in POSITION_KEYS):
+        shape = tokens.shape[: seq_dim + 1]
+        out["positions"] = torch.arange(seq_len, device=tokens.device).expand(shape)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.dim() > seq_dim and value.shape[seq_dim] == seq_len:
+            out[key] = shard_sequence(value, rank, cp, seq_dim, layout)
+    if "position_ids" in out and "positions" not in out:
+        out["positions"] = out["position_ids"]
+    return out
