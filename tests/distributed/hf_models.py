@@ -62,16 +62,23 @@ def _lightning_base() -> type:
 
 
 class CausalLM(_lightning_base()):  # type: ignore[misc]
-    """A plain LightningModule around ``AutoModelForCausalLM``: tensor batches, CE by hand, SGD."""
+    """A plain LightningModule around ``AutoModelForCausalLM`` with SGD.
 
-    def __init__(self, family: str, lr: float = LR) -> None:
+    ``loss_form="ce"``: tensor batches, CE by hand. ``"hf_labels"``: the transformers idiom
+    ``model(input_ids=ids, labels=ids).loss``, on the token tensor or (under cp) the dict's ``input_ids``.
+    """
+
+    def __init__(self, family: str, lr: float = LR, loss_form: str = "ce") -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
-        self.lr = lr
+        self.lr, self.loss_form = lr, loss_form
         self.model = AutoModelForCausalLM.from_config(_config(family))
 
-    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def loss(self, batch: Any) -> torch.Tensor:
+        if self.loss_form == "hf_labels":
+            ids = batch["input_ids"] if isinstance(batch, dict) else batch
+            return self.model(input_ids=ids, labels=ids).loss
         logits = self.model(input_ids=batch[:, :-1]).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
@@ -82,14 +89,16 @@ class CausalLM(_lightning_base()):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def build(family: str, seed: int = 0) -> CausalLM:
+def build(family: str, seed: int = 0, loss_form: str = "ce") -> CausalLM:
     torch.manual_seed(seed)
-    return CausalLM(family)
+    return CausalLM(family, loss_form=loss_form)
 
 
-def reference(family: str, steps: int, dp: int, world: int = 4) -> tuple[list[float], dict, dict]:
+def reference(
+    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce"
+) -> tuple[list[float], dict, dict]:
     """One process, each step's global batch: (losses, initial parameters, final parameters)."""
-    module = build(family)
+    module = build(family, loss_form=loss_form)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = module.configure_optimizers()
     data = T.tokens(steps * T.PER_RANK_BATCH * world)
@@ -122,7 +131,7 @@ def _tp_replica_spread(module: torch.nn.Module, tp_mesh: Any) -> dict[str, float
     return out
 
 
-def fit(rank: int, world: int, family: str, strategy: dict, steps: int) -> dict[str, Any]:
+def fit(rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce") -> dict[str, Any]:
     """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread."""
     import lightning as L
     from torch.utils.data import DataLoader
@@ -130,7 +139,7 @@ def fit(rank: int, world: int, family: str, strategy: dict, steps: int) -> dict[
     import meshkit
 
     T.launcher_env(rank, world)
-    module = build(family)
+    module = build(family, loss_form=loss_form)
     recorder = T.LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(**strategy), max_steps=steps,
