@@ -191,7 +191,7 @@ def infer_tp_plan(
         elif isinstance(module, nn.Linear) and leaf in ROWWISE:
             plan[name] = RowwiseParallel(output_layouts=seq)
         elif isinstance(module, nn.Linear):
-            unplaced.append(f"{name} (Linear {module.in_features}->{module.out_features})")
+            unplaced.append(f"{name} ({module.in_features}->{module.out_features})")
         elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
             # transformers' GPT-2 projection: a Linear with a transposed (in, out) weight.
             unplaced.append(f"{name} (Conv1D {module.weight.shape[0]}->{module.weight.shape[1]})")

@@ -79,8 +79,9 @@ def layout_index(seq_len: int, cp: int, layout: str, device: Any = None) -> torc
     return torch.cat([base[c] for r in range(cp) for c in chunks_of_rank(r, cp, layout)])
 
 
-def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
-    """Raise ValueError unless ``layout`` is known and ``seq_len`` (named ``what``) splits into its equal chunks."""
+def check_layout(seq_len: int, cp: int, layout: str, what: str, note: str = "") -> None:
+    """Raise ValueError unless ``layout`` is known and ``seq_len`` (named ``what``) splits into its equal chunks;
+    ``note`` is appended to the message."""
     if layout not in CP_LAYOUTS:
         raise ValueError(f"context_parallel: `layout={layout!r}` is not one of {CP_LAYOUTS}.")
     n = 2 * cp if layout == "load_balanced" else cp
@@ -89,7 +90,7 @@ def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
         raise ValueError(
             f"context_parallel: `{what}={seq_len}` must be divisible by {rule}={n} for `layout={layout!r}` "
             f"with `cp={cp}` (each rank holds {'two equal chunks' if n == 2 * cp else 'one equal chunk'}). "
-            f"Pad the sequence to a multiple of {n}."
+            f"Pad the sequence to a multiple of {n}.{note}"
         )
 
 
@@ -198,11 +199,11 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     """
     pg = process_group(cp_mesh)
     cp, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    what = f"input_ids.shape[{seq_dim}]"
+    note = ""
     if isinstance(batch, torch.Tensor):
         n = batch.shape[seq_dim] - 1
-        what += (f" (a (B, T+1) token tensor of {n + 1} per row is read as T={n} inputs [:, :-1] plus the "
-                 "shifted labels [:, 1:]; rows of T+1 tokens)")
+        note = (f" The batch was a token tensor of {n + 1} per row, read as T={n} inputs [:, :-1] plus the shifted "
+                "labels [:, 1:]: make rows T+1 tokens long.")
         batch = {"input_ids": batch.narrow(seq_dim, 0, n), "labels": batch.narrow(seq_dim, 1, n)}
     elif not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError(
@@ -212,7 +213,7 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
         )
     tokens = batch["input_ids"]
     seq_len = tokens.shape[seq_dim]
-    check_layout(seq_len, cp, layout, what)
+    check_layout(seq_len, cp, layout, f"input_ids.shape[{seq_dim}]", note)
     out = CPBatch(batch)
     if not any(key in batch for key in POSITION_KEYS):
         shape = tokens.shape[: seq_dim + 1]
