@@ -13,7 +13,7 @@ LM head (colwise)     ``lm_head`` (HF), ``output`` (torchtitan)
 Inside each attention / MLP block the projections leave TP-local heads, so the block's other
 parameters see only their rank's part of the activations: per-head norms (Qwen3 / Gemma 3
 ``q_norm``, weight of one head's width) are replicated and get their gradient summed over tp;
-full-width norms (OLMo2 ``q_norm``, weight as wide as the projection) are sharded with the heads.
+full-width norms (OLMo2 ``q_norm``, weight as wide as the projection) gather the heads to normalize.
 A tied embedding / LM head stays one parameter, vocab-sharded (``Shard(0)``) for both uses.
 
 A projection it cannot place (any other Linear, a GPT-2 ``Conv1D``, a fused ``qkv_proj`` /
@@ -95,10 +95,10 @@ class LocalShardNorm(ParallelStyle):
     """A norm inside a TP block, applied to the rank's local heads (what the colwise projections leave).
 
     ``shard_params=False`` (per-head norm, weight of one head's width, e.g. Qwen3 ``q_norm``): the
-    weight stays replicated and its gradient is summed over tp. ``shard_params=True`` (full-width
-    norm, e.g. OLMo2 ``q_norm`` over all heads): the weight is sharded with the heads and the
-    statistics are reduced over tp. The input is read as sharded on its heads (dim -2) or width
-    (dim -1); the output is the local tensor again.
+    input is read as sharded on its heads (dim -2), the weight stays replicated and its gradient is
+    summed over tp. ``shard_params=True`` (full-width norm, e.g. OLMo2 ``q_norm`` over all heads):
+    the local columns are all-gathered, normalized with the whole (replicated) weight, and the rank's
+    columns taken back, so the statistics span every head. The output is the local tensor again.
 
     Example::
 
@@ -109,20 +109,24 @@ class LocalShardNorm(ParallelStyle):
         super().__init__()
         self.shard_params = shard_params
 
-    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-        placement = [Shard(0)] if self.shard_params else [Replicate()]
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for p_name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(p_name, nn.Parameter(distribute_tensor(param, mesh, placement)))
+            module.register_parameter(p_name, nn.Parameter(distribute_tensor(param, mesh, [Replicate()])))
 
     def _input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, rest = inputs[0], inputs[1:]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, [Shard(x.ndim - (1 if self.shard_params else 2))], run_check=False)
-        return (x, *rest)
+        # Full width: gather the columns (the norm's mean runs over all of them); per head: stay local.
+        return (x.redistribute(placements=[Replicate()]) if self.shard_params else x, *rest)
 
-    @staticmethod
-    def _output(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
-        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    def _output(self, module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(outputs, DTensor):
+            return outputs
+        if self.shard_params:
+            outputs = outputs.redistribute(placements=[Shard(outputs.ndim - 1)])
+        return outputs.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._input, self._output)
@@ -253,7 +257,7 @@ def _plan_local_params(
             sizes = {tuple(p.shape) for p in params}
             size = next(iter(sizes))[0] if len(sizes) == 1 and len(next(iter(sizes))) == 1 else None
             if size is not None and size in widths:
-                plan[name] = LocalShardNorm(shard_params=True)  # full width: sharded with the heads
+                plan[name] = LocalShardNorm(shard_params=True)  # full width: statistics over every head
             elif size is not None and any(w % size == 0 for w in widths):
                 plan[name] = LocalShardNorm(shard_params=False)  # one head's width: replicated, grads summed
             else:

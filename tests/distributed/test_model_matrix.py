@@ -35,6 +35,7 @@ def _check_matches_one_process(family: str, results: list[dict], loss_form: str 
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     errors = H.update_errors(results[0]["params"], init, want)
     worst = max(errors, key=errors.get)
+    print(f"matrix: {family} worst update error {errors[worst]:.1e} ({worst})")  # the table in the note
     assert errors[worst] <= MAX_UPDATE_ERROR, (family, worst, errors[worst])
     for r in results:
         drift = {n: v for n, v in r["tp_spread"].items() if v > 0}
