@@ -11,6 +11,10 @@ included, so ``mesh["tp"]`` always exists. Flattened axes:
 - ``dp_shard_cp``  = dp_shard × cp            (what FSDP shards parameters over)
 - ``dp_cp``        = dp_replicate × dp_shard × cp (gradients / loss are averaged over it)
 
+Lightning's ``ModelParallelStrategy`` names work too, so a ``configure_model`` written for it runs
+unchanged: ``mesh["data_parallel"]`` is ``dp`` and ``mesh["tensor_parallel"]`` is ``tp``
+(:data:`LIGHTNING_ALIASES`).
+
 Example::
 
     >>> from meshkit.plugins.dims import ParallelDims
@@ -29,9 +33,14 @@ if TYPE_CHECKING:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "AXES", "Degree"]
+__all__ = ["ParallelDims", "AXES", "Degree", "LIGHTNING_ALIASES"]
 
 AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+LIGHTNING_ALIASES: dict[str, tuple[str, ...]] = {
+    "data_parallel": ("dp_replicate", "dp_shard"),
+    "tensor_parallel": ("tp",),
+}
+"""Lightning ``ModelParallelStrategy`` axis name -> the meshkit axes it spans."""
 Degree = Union[int, str]
 
 
@@ -172,6 +181,8 @@ class ParallelDims:
             "dp_shard_cp": mesh[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=backend),
             "dp_cp": mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp", backend_override=backend),
         }
+        for alias, axes in LIGHTNING_ALIASES.items():  # registered on the root: mesh["tensor_parallel"] works
+            mesh[axes]._flatten(alias)
         self._mesh = mesh
         return mesh
 

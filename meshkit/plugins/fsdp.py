@@ -68,10 +68,27 @@ def apply_fsdp(
             f"({[n for n, _ in model.named_parameters(recurse=False)]}); the automatic path shards submodules. "
             "Move them into a submodule, or write `configure_model` and call `fully_shard` yourself."
         )
+    for unit in _root_units(model):
+        # The root's last all-gather need not be resharded: backward starts with it.
+        fully_shard(unit if len(unit) > 1 else unit[0], **{**kwargs, "reshard_after_forward": False})
+
+
+def _root_units(model: nn.Module) -> list[list[nn.Module]]:
+    """The root's unsharded children holding trainable parameters; children sharing a parameter (a tied
+    embedding and LM head side by side) form one unit, so the tied parameter is sharded once."""
+    units: list[list[nn.Module]] = []
+    owner: dict[int, list[nn.Module]] = {}
     for _, child in model.named_children():
-        if not isinstance(child, FSDPModule) and any(p.requires_grad for p in child.parameters()):
-            # The root's last all-gather need not be resharded: backward starts with it.
-            fully_shard(child, **{**kwargs, "reshard_after_forward": False})
+        if isinstance(child, FSDPModule) or not any(p.requires_grad for p in child.parameters()):
+            continue
+        joined = [owner[id(p)] for _, p in child.named_parameters(remove_duplicate=False) if id(p) in owner]
+        unit = joined[0] if joined else []
+        if not joined:
+            units.append(unit)
+        unit.append(child)
+        for p in child.parameters():
+            owner[id(p)] = unit
+    return units
 
 
 def apply_fsdp_stages(views: list[nn.Module], mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None) -> None:

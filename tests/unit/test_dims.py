@@ -161,8 +161,10 @@ class _Odd(nn.Module):
 
 
 def test_unplaceable_linears_are_listed_with_the_fix():
-    with pytest.raises(ValueError, match=r"cannot place these Linear modules: qkv \(8->24\), router \(8->4\)\. "
-                                         r"Pass `tp_plan=`.*\"qkv\": \"colwise\""):
+    # The old suggestion ("qkv": "colwise") fails for fused or consecutive projections (issue 13 item 5): the fix
+    # now keeps the blocks holding them whole.
+    with pytest.raises(ValueError, match=r"cannot place these projections: qkv \(8->24\), router \(8->4\)\. "
+                                         r".*tp_plan=\{\"\*\": \"replicate\"\}"):
         infer_tp_plan(_Odd())
 
 

@@ -34,6 +34,7 @@ from meshkit.plugins.context_parallel.attention import CP_ATTENTIONS, check_cp_h
 from meshkit.plugins.context_parallel.integration import apply_context_parallel
 from meshkit.plugins.context_parallel.layout import (
     CP_LAYOUTS,
+    CPBatch,
     chunks_of_rank,
     check_layout,
     gather_sequence,
@@ -55,5 +56,6 @@ __all__ = [
     "gather_sequence",
     "sequence_positions",
     "shard_batch",
+    "CPBatch",
     "apply_context_parallel",
 ]

@@ -94,6 +94,16 @@ def _position_hook(group: ProcessGroup, layout: str, key: str) -> Callable:
     return hook
 
 
+def _shifted_labels_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``labels=batch["input_ids"]`` or ``labels=batch["labels"]`` of a :func:`shard_batch` batch: pass the
+    shifted labels as ``shift_labels`` (transformers would shift this rank's load-balanced shard otherwise)."""
+    shifted = getattr(kwargs.get("labels"), "_meshkit_cp_shifted", None)
+    if shifted is None or kwargs.get("shift_labels") is not None:
+        return None
+    kwargs["shift_labels"] = shifted
+    return args, kwargs
+
+
 def apply_context_parallel(
     model: nn.Module,
     cp_mesh: Group,
@@ -109,6 +119,9 @@ def apply_context_parallel(
       module's forward (classes named ``*Attention``, or those ``attention_modules(name, module)`` selects),
       calls to ``F.scaled_dot_product_attention`` go to :func:`context_parallel_attention`. The swap is a
       TorchFunctionMode scoped to those forwards, so activation-checkpoint recomputation sees it too.
+    - a transformers ``...ForCausalLM`` called with ``labels=`` a :func:`shard_batch` batch's ``input_ids``
+      or ``labels`` gets ``shift_labels=`` the batch's (already shifted) labels, so the HF idiom
+      ``model(input_ids=ids, labels=ids).loss`` gives the one-process loss.
     - where the model (or its outermost submodule taking ``positions``/``position_ids``, e.g. a
       LightningModule's inner Transformer) is called without positions, they are filled with the global
       positions of the local tokens, so rotary embeddings are right.
@@ -130,6 +143,8 @@ def apply_context_parallel(
     hf_models = _outermost(model, lambda m: hasattr(getattr(m, "config", None), "_attn_implementation"))
     for hf_model in hf_models:
         _use_hf_attention(hf_model, group, attention, layout)
+        if hasattr(hf_model, "loss_function"):  # a ...ForCausalLM: `labels=` must not shift the local shard
+            hf_model.register_forward_pre_hook(_shifted_labels_hook, with_kwargs=True)
     in_hf = {id(m) for hf_model in hf_models for m in hf_model.modules()}
     select = attention_modules or (lambda _name, m: type(m).__name__.endswith("Attention"))
     targets = [m for n, m in model.named_modules() if id(m) not in in_hf and select(n, m)]

@@ -34,6 +34,7 @@ __all__ = [
     "gather_sequence",
     "sequence_positions",
     "shard_batch",
+    "CPBatch",
 ]
 
 CP_LAYOUTS: tuple[str, ...] = ("load_balanced", "contiguous")
@@ -78,8 +79,9 @@ def layout_index(seq_len: int, cp: int, layout: str, device: Any = None) -> torc
     return torch.cat([base[c] for r in range(cp) for c in chunks_of_rank(r, cp, layout)])
 
 
-def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
-    """Raise ValueError unless ``layout`` is known and ``seq_len`` (named ``what``) splits into its equal chunks."""
+def check_layout(seq_len: int, cp: int, layout: str, what: str, note: str = "") -> None:
+    """Raise ValueError unless ``layout`` is known and ``seq_len`` (named ``what``) splits into its equal chunks;
+    ``note`` is appended to the message."""
     if layout not in CP_LAYOUTS:
         raise ValueError(f"context_parallel: `layout={layout!r}` is not one of {CP_LAYOUTS}.")
     n = 2 * cp if layout == "load_balanced" else cp
@@ -88,7 +90,7 @@ def check_layout(seq_len: int, cp: int, layout: str, what: str) -> None:
         raise ValueError(
             f"context_parallel: `{what}={seq_len}` must be divisible by {rule}={n} for `layout={layout!r}` "
             f"with `cp={cp}` (each rank holds {'two equal chunks' if n == 2 * cp else 'one equal chunk'}). "
-            f"Pad the sequence to a multiple of {n}."
+            f"Pad the sequence to a multiple of {n}.{note}"
         )
 
 
@@ -142,6 +144,42 @@ def sequence_positions(
     return shard_sequence(torch.arange(seq_len, device=device), cp_rank, cp, dim=0, layout=layout)
 
 
+class CPBatch(dict):
+    """What ``training_step`` receives under cp > 1: a dict of this rank's part of every sequence.
+
+    A dict, so ``batch["input_ids"]`` works; used as the token tensor it replaced (``batch[:, :-1]``,
+    ``batch.shape``, passed to a model) it raises an error that says what it is and how to compute
+    the loss, at the first batch.
+
+    Example::
+
+        >>> CPBatch({"input_ids": torch.zeros(1, 4)}).shape
+        Traceback (most recent call last):
+        AttributeError: NDParallelStrategy(cp>1): ...
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, str):
+            raise TypeError(self._explain(f"indexed with {key!r}"))
+        return super().__getitem__(key)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(self._explain(f"asked for `.{name}`"))
+
+    def _explain(self, use: str) -> str:
+        shapes = ", ".join(f"{k!r}: {tuple(v.shape)}" for k, v in self.items() if isinstance(v, torch.Tensor))
+        return (
+            f"NDParallelStrategy(cp>1): the batch was {use} like a tensor, but under context parallelism it is a "
+            f"dict of this rank's part of every sequence ({{{shapes}}}); a (B, T+1) token tensor is read as T "
+            "inputs plus the shifted labels. Use batch['input_ids'] as the inputs and batch['labels'] as the "
+            "already-shifted targets: `F.cross_entropy(logits.flatten(0, 1), batch['labels'].flatten())`, or for "
+            "transformers `model(input_ids=batch['input_ids'], labels=batch['labels'], "
+            "shift_labels=batch['labels']).loss` (never let the model shift them again). See docs/models.md."
+        )
+
+
 def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "load_balanced") -> dict[str, torch.Tensor]:
     """This cp rank's part of a batch: ``{"input_ids", "labels", "positions", ...}`` sharded along ``seq_dim``.
 
@@ -161,8 +199,11 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     """
     pg = process_group(cp_mesh)
     cp, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    note = ""
     if isinstance(batch, torch.Tensor):
         n = batch.shape[seq_dim] - 1
+        note = (f" The batch was a token tensor of {n + 1} per row, read as T={n} inputs [:, :-1] plus the shifted "
+                "labels [:, 1:]: make rows T+1 tokens long.")
         batch = {"input_ids": batch.narrow(seq_dim, 0, n), "labels": batch.narrow(seq_dim, 1, n)}
     elif not isinstance(batch, dict) or "input_ids" not in batch:
         raise ValueError(
@@ -172,8 +213,8 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
         )
     tokens = batch["input_ids"]
     seq_len = tokens.shape[seq_dim]
-    check_layout(seq_len, cp, layout, f"input_ids.shape[{seq_dim}]")
-    out = dict(batch)
+    check_layout(seq_len, cp, layout, f"input_ids.shape[{seq_dim}]", note)
+    out = CPBatch(batch)
     if not any(key in batch for key in POSITION_KEYS):
         shape = tokens.shape[: seq_dim + 1]
         out["positions"] = torch.arange(seq_len, device=tokens.device).expand(shape)
@@ -182,4 +223,9 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
             out[key] = shard_sequence(value, rank, cp, seq_dim, layout)
     if "position_ids" in out and "positions" not in out:
         out["positions"] = out["position_ids"]
+    if isinstance(out.get("labels"), torch.Tensor):
+        # Marks for transformers' loss (apply_context_parallel): `labels=` either of these means these shifted
+        # labels, so HF must not shift the local shard again.
+        for key in ("input_ids", "labels"):
+            out[key]._meshkit_cp_shifted = out["labels"]
     return out

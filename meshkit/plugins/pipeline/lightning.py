@@ -92,6 +92,7 @@ class PipelineHooks:
     def parallelize(self, lm: nn.Module, dims: ParallelDims, config: ParallelConfig, device: torch.device) -> nn.Module:
         """:func:`~meshkit.plugins.parallelize.parallelize` of ``lm`` with this rank's stages cut out first."""
         self.device = device
+        _warn_user_loss_dropped(lm)
         parallelize(lm, dims, config, split=functools.partial(self._split, dims))
         self.active = True
         return lm
@@ -189,6 +190,24 @@ class PipelineHooks:
                 g = p.grad
                 (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
         return total
+
+
+def _warn_user_loss_dropped(lm: nn.Module) -> None:
+    """Warn once (rank 0) that a user's ``training_step`` is not called under pp and no ``pipeline_loss`` replaces it."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+    step = getattr(type(lm), "training_step", None)
+    if not is_overridden("training_step", lm) or hasattr(lm, "pipeline_loss"):
+        return
+    if getattr(step, "__module__", "").startswith("meshkit."):  # meshkit's own modules compute the default loss
+        return
+    rank_zero_warn(
+        f"NDParallelStrategy(pp>1): `{type(lm).__name__}.training_step` is not called under pipeline parallelism "
+        "(no rank holds the whole model); the last stage computes token-mean cross-entropy on the logits instead, "
+        "so a custom loss (label smoothing, z-loss, masking, weighting) is dropped. Define "
+        "`pipeline_loss(self, output, labels) -> loss` on the LightningModule to use your own."
+    )
 
 
 def _last_rank(hooks: PipelineHooks) -> int:
