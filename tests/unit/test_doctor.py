@@ -225,17 +225,10 @@ def test_every_finding_is_documented():
         assert f"`{fid}`" in doc, fid
 
 
-def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
-    """The callback end to end in one process, switched on the way MFUMonitor would (ensure_doctor)."""
+def _tiny_module():
+    """A one-Linear LightningModule with an unused Linear beside it."""
     import lightning as L
     import torch
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from meshkit.doctor import Doctor, ensure_doctor
-
-    class SwitchOn(L.Callback):
-        def setup(self, trainer, pl_module, stage):
-            self.doctor = ensure_doctor(trainer, pl_module, stage)
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -248,11 +241,26 @@ def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Tiny()
+
+
+def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
+    """The callback end to end in one process, switched on the way MFUMonitor would (ensure_doctor)."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from meshkit.doctor import Doctor, ensure_doctor
+
+    class SwitchOn(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            self.doctor = ensure_doctor(trainer, pl_module, stage)
+
     switch = SwitchOn()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="r"),
                         callbacks=[switch], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    trainer.fit(_tiny_module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
     assert isinstance(switch.doctor, Doctor) and ensure_doctor(trainer, None, "fit") is switch.doctor
     (f,) = switch.doctor.findings
     assert f.id == "unused_parameters" and f.evidence["parameters"] == ["unused.weight", "unused.bias"]
@@ -272,22 +280,11 @@ def test_mfu_monitor_switches_the_doctor_on(tmp_path):
     from meshkit.doctor import Doctor
     from meshkit.profiling.mfu import MFUMonitor
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.unused = torch.nn.Linear(4, 1), torch.nn.Linear(2, 2)
-
-        def training_step(self, batch, batch_idx):
-            return self.lin(batch).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     def fit(monitor):
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="m"),
                             callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False)
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+        trainer.fit(_tiny_module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
         return [cb for cb in trainer.callbacks if isinstance(cb, Doctor)]
 
     (doctor,) = fit(MFUMonitor(doctor=True, profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0))
