@@ -376,6 +376,9 @@ def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dic
     missing input sets ``partial`` and says why in ``problems``; a directory with nothing usable
     raises ``ValueError``.
     """
+    if not (isinstance(min_lateness_ms, (int, float)) and min_lateness_ms >= 0):
+        raise ValueError(f"analyze: `min_lateness_ms={min_lateness_ms!r}` must be a number >= 0 (0: the run's own "
+                         "noise floor decides).")
     windows, problems = load_windows(logdir)
     windows = [w for w in windows if w.ranks]
     try:

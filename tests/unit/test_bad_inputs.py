@@ -343,3 +343,22 @@ def test_good_checkpoint_round_trips(tmp_path):
     weights = consolidate_checkpoint(ckpt)
     assert set(weights) == set(_FOUR)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.ckpt"]  # no .partial / .old left
+
+
+_PLAN = ["plan", "--params", "7e9", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "4096",
+         "--global-batch", "64", "--nodes", "1", "--gpus-per-node", "8"]
+
+
+@pytest.mark.parametrize("argv, match", [
+    ([*_PLAN, "--max-tp", "0"], "`max_tp=0` must be an int >= 1"),
+    ([*_PLAN, "--max-tp", "-3"], "`max_tp=-3` must be an int >= 1"),
+    ([*_PLAN, "--max-pp", "0"], "`max_pp=0` must be an int >= 1"),
+    (["analyze", ".", "--min-lateness-ms", "-5"], "`min_lateness_ms=-5.0` must be a number >= 0"),
+])
+def test_cli_rejects_bad_numbers(argv, match, capsys):
+    # Issue 14 item 10: these were accepted ("0 of 0 layouts fit", a cap silently lifted, a negative floor).
+    from meshkit.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"meshkit {argv[0]}: error:" in err and match in err, err

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from meshkit.plugins.planner.costs import CALIBRATION, GPU_TABLE, SCHEDULES
 from meshkit.plugins.planner.explain import compare, header
@@ -91,8 +92,8 @@ def run_cli(args: argparse.Namespace) -> int:
                       activation_checkpointing=args.activation_checkpointing,
                       optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
                       max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp)
-    except ValueError as err:
-        print(f"meshkit plan: {err}")
+    except ValueError as err:  # on stderr, like every verb's user error
+        print(f"meshkit plan: error: {err}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(result.to_dict(top=args.top), indent=1))

@@ -647,6 +647,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
             raise ValueError(f"plan: `{name}={value}` must be in (0, 1], e.g. 0.5.")
     if not ridge_scale >= 0:
         raise ValueError(f"plan: `ridge_scale={ridge_scale}` must be >= 0 (1: the roofline ridge as it is).")
+    for name, value in (("max_tp", max_tp), ("max_pp", max_pp), ("max_cp", max_cp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"plan: `{name}={value!r}` must be an int >= 1 (1 turns the axis off; omit it for no cap).")
     try:
         spec: GpuSpec | None = gpu_spec(gpu)
     except ValueError:
