@@ -40,7 +40,7 @@ import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 from torch import nn
@@ -274,9 +274,12 @@ def verify_checkpoint(path: str | os.PathLike, *, rank: int = 0, world_size: int
 
 
 # ---- load ---------------------------------------------------------------------------------------
-def check_fits(model_state: dict[str, Any], checkpoint_dir: str | os.PathLike, *, strict: bool = True) -> None:
+def check_fits(model_state: dict[str, Any], checkpoint_dir: str | os.PathLike, *, strict: bool = True,
+               job_keys: Collection[str] | None = None) -> None:
     """Raise :class:`CheckpointError` naming the first keys if the checkpoint's model entries do not fit
     ``model_state`` (``{fqn: tensor}``): shape mismatches always, missing / unexpected keys if ``strict``.
+    ``job_keys``: every rank's keys together, when a rank holds only part of the model (pipeline stages);
+    a checkpoint key is unexpected only if no rank holds it. Default: this rank's keys.
 
     Reads only the (safe) DCP metadata: no weight is touched.
 
@@ -292,7 +295,8 @@ def check_fits(model_state: dict[str, Any], checkpoint_dir: str | os.PathLike, *
         k[len("state_dict."):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith("state_dict.")
     }
     missing = [k for k in model_state if k not in saved]
-    unexpected = [k for k in saved if k not in model_state]
+    held = model_state if job_keys is None else job_keys
+    unexpected = [k for k in saved if k not in held]
     shapes = [
         f"`{k}`: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
         for k, v in model_state.items()
@@ -312,6 +316,17 @@ def check_fits(model_state: dict[str, Any], checkpoint_dir: str | os.PathLike, *
             f"checkpoint `{path}` does not fit the model: " + "; ".join(reasons)
             + ". Build the model with the configuration the checkpoint was saved with." + hint
         )
+
+
+def _job_keys(model_state: dict[str, Any]) -> set[str]:
+    """Every rank's model keys together (pipeline stages each hold a part); this rank's without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return set(model_state)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(model_state))
+    return {k for keys in gathered for k in keys}
 
 
 def _dcp_load(state: dict[str, Any], path: Path, strict: bool) -> None:
@@ -336,7 +351,7 @@ def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dic
     module = strategy.model
     strict = strategy.lightning_module.strict_loading
     model_state = {"state_dict": get_model_state_dict(module)}
-    check_fits(model_state["state_dict"], path, strict=strict)
+    check_fits(model_state["state_dict"], path, strict=strict, job_keys=_job_keys(model_state["state_dict"]))
     _dcp_load(model_state, path, strict)
     module.load_state_dict(model_state["state_dict"], strict=strict)
     opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)

@@ -188,7 +188,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         try:
             self._setup_distributed()
         except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
-            if not _is_timeout(e):
+            # A timeout, or the store's host giving up first (the peers then see the connection close).
+            if not (_is_timeout(e) or isinstance(e, torch.distributed.DistNetworkError)):
                 raise
             world = self.num_nodes * self.num_processes
             raise RuntimeError(
