@@ -99,7 +99,7 @@ SCROLL_DOWN_JS = """
   while (el && !(el.scrollHeight > el.clientHeight + 10 && getComputedStyle(el).overflowY !== 'visible'))
     el = el.parentElement;
   if (!el) return false;
-  el.scrollBy(0, %d);
+  el.scrollTop = Math.min(el.scrollTop + %d, el.scrollHeight - el.clientHeight);
   return true;
 })()
 """
@@ -108,7 +108,7 @@ SCROLL_DOWN_JS = """
 class DevTools:
     """A minimal DevTools-protocol client over one page target's websocket (``websocket-client``)."""
 
-    def __init__(self, ws_url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, ws_url: str, timeout_s: float = 90.0) -> None:  # a loaded 2-core CI box: navigations take long
         import websocket
 
         self.ws = websocket.create_connection(ws_url, timeout=timeout_s, suppress_origin=True)
@@ -219,8 +219,8 @@ def test_first_screen_shows_where_the_mfu_went(browser, tensorboard_port, tb_run
 
     # 1. the first screen: no fragment, nothing clicked
     browser.goto(base)
-    wait_for(lambda: {R.WATERFALL_TAG, R.MFU_TAG} <= _texts(browser), 90, "the MFU cards on the first screen")
-    wait_for(lambda: browser.visible_images(), 30, "the waterfall image on the first screen")
+    wait_for(lambda: {R.WATERFALL_TAG, R.MFU_TAG} <= _texts(browser), 90, "the MFU cards on the first screen", every_s=0.25)
+    wait_for(lambda: browser.visible_images(), 30, "the waterfall image on the first screen", every_s=0.25)
     time.sleep(1.0)  # the charts' last paint
     first = browser.visible_text()
     browser.screenshot(str(shots / "1_first_screen.png"))
@@ -244,12 +244,15 @@ def test_first_screen_shows_where_the_mfu_went(browser, tensorboard_port, tb_run
     seen = set(visible_buckets)
 
     def scrolled_to_last_bucket() -> bool:
-        assert browser.evaluate(SCROLL_DOWN_JS % (json.dumps(R.BREAKDOWN_GROUP), 300)), "no scrollable card panel"
-        time.sleep(0.5)
-        seen.update(t for t in bucket_tags if t in _texts(browser))
+        # one step down, then wait (bounded) for the cards now on screen to render before the next step:
+        # under load TIME SERIES renders a card some time after it scrolls into view
+        assert browser.evaluate(SCROLL_DOWN_JS % (json.dumps(R.BREAKDOWN_GROUP), 250)), "no scrollable card panel"
+        on_screen = wait_for(lambda: [t for t in bucket_tags if t in _texts(browser)], 10,
+                             "a bucket card after scrolling", every_s=0.25)
+        seen.update(on_screen)
         return R.breakdown_tag("validation") in seen
 
-    wait_for(scrolled_to_last_bucket, 30, "the last bucket card, scrolling down", every_s=0.2)
+    wait_for(scrolled_to_last_bucket, 90, "the last bucket card, scrolling down", every_s=0.1)
     time.sleep(1.0)
     browser.screenshot(str(shots / "2_breakdown_cards.png"))
     # every bucket has its own card in the expanded group, each seen on screen while scrolling
@@ -257,21 +260,21 @@ def test_first_screen_shows_where_the_mfu_went(browser, tensorboard_port, tb_run
 
     # 3. the custom-scalar layout: one chart per series, each titled with its bucket and unit
     browser.goto(base + "#custom_scalars")
-    wait_for(lambda: "compute (% of step)" in _texts(browser), 60, "the custom-scalar charts")
-    time.sleep(1.5)
+    wait_for(lambda: "compute (% of step)" in _texts(browser), 60, "the custom-scalar charts", every_s=0.25)
+    time.sleep(1.0)
     browser.screenshot(str(shots / "3_custom_scalars.png"))
     assert R.LAYOUT_TITLE in _texts(browser)
 
     # 4. the waterfall in the IMAGES dashboard
     browser.goto(base + "#images")
-    wait_for(lambda: browser.visible_images(), 60, "the waterfall in the images dashboard")
+    wait_for(lambda: browser.visible_images(), 60, "the waterfall in the images dashboard", every_s=0.25)
     time.sleep(1.0)
     browser.screenshot(str(shots / "4_waterfall.png"))
     assert R.WATERFALL_TAG in _texts(browser)
 
     # 5. the tables in the TEXT dashboard: the breakdown table and the pre-formatted overlap tables
     browser.goto(base + "#text")
-    wait_for(lambda: "achieved MFU" in _texts(browser), 60, "the breakdown table")
+    wait_for(lambda: "achieved MFU" in _texts(browser), 60, "the breakdown table", every_s=0.25)
     time.sleep(1.0)
     browser.screenshot(str(shots / "5_tables.png"))
     text = browser.visible_text()
