@@ -2,9 +2,9 @@
 
 The collate function sleeps, as a loader that decodes or tokenizes on the main process would, so every
 step waits for data. MFUMonitor splits each step's wall time into compute, recompute, exposed
-communication, pipeline bubble, data wait, optimizer and other (fractions that sum to 1) and logs them
-to TensorBoard; this script then reads the logged data-wait fraction back from the event file and
-says where to look.
+communication, pipeline bubble, data wait, optimizer and other (percentages of the step that sum to 100)
+and logs them to TensorBoard; this script then reads the logged data-wait percentage back from the event
+file and says which tab and tag to open.
 
     python examples/mfu_breakdown.py                   # 60 steps, 50 ms of sleep per batch
     python examples/mfu_breakdown.py --tiny            # 8 steps (what CI runs)
@@ -25,8 +25,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import meshkit
 from meshkit.models import LlamaConfig, LlamaLM
+from meshkit.profiling.report import breakdown_tag, where_to_look
 
-DATA_WAIT_TAG = "mfu/breakdown/data_wait"  # one series of the "MFU breakdown" layout
+DATA_WAIT_TAG = breakdown_tag("data_wait")  # "MFU_breakdown_pct/data_wait": percent of the step time
 
 
 def slow_collate(sleep_s: float):
@@ -70,7 +71,9 @@ def main() -> None:
         tokens_fn=lambda batch: batch[:, :-1].numel(),  # tokens trained on per batch
         profile_every=0 if args.tiny else 20, profile_start=5,  # a torch.profiler window every 20 steps
     )
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, logger=TensorBoardLogger(args.logdir, name="mfu"),
+    # no hp_metric placeholder: TensorBoard's first screen then shows only what the run measured
+    logger = TensorBoardLogger(args.logdir, name="mfu", default_hp_metric=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, logger=logger,
                         callbacks=[monitor], log_every_n_steps=1, enable_checkpointing=False,
                         enable_model_summary=False)
     trainer.fit(LlamaLM(config), loader)
@@ -79,12 +82,9 @@ def main() -> None:
     if not data_wait:
         raise SystemExit(f"mfu_breakdown: no `{DATA_WAIT_TAG}` scalars under {trainer.log_dir}")
     mean = sum(data_wait) / len(data_wait)
-    print(f"\nmfu_breakdown: data_wait was {mean:.1%} of the step time on average over {len(data_wait)} logged "
-          f"steps ({DATA_WAIT_TAG}, mean of the logged fractions).")
-    print(f"Open it: tensorboard --logdir {os.path.abspath(args.logdir)}\n"
-          f"  tab CUSTOM SCALARS -> 'MFU breakdown' -> 'step time split (fractions)': the data_wait series\n"
-          f"  (or tab SCALARS, tag {DATA_WAIT_TAG})")
-
+    print(f"\nmfu_breakdown: data_wait was {mean:.1f}% of the step time on average over {len(data_wait)} logged "
+          f"steps ({DATA_WAIT_TAG}, mean of the logged percentages).")
+    print(where_to_look(os.path.abspath(args.logdir)))
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,8 @@
 """``meshkit demo``: a small Llama-style model trained on CPU gloo processes with ``strategy="hsdp_tp"``.
 
 Lightning launches the processes (``devices`` of them on this machine), shows its progress bar,
-and writes TensorBoard logs; the last line printed is the ``tensorboard --logdir`` command.
+and writes TensorBoard logs; the last lines printed are the ``tensorboard --logdir`` command and the tab
+and tags to open (:func:`meshkit.profiling.report.where_to_look`).
 
 Example::
 
@@ -48,7 +49,8 @@ def run_demo(
         raise ValueError(f"meshkit demo: `--strategy {strategy}` is not a preset; use one of {sorted(meshkit.PRESETS)}.")
     L.seed_everything(0, verbose=False)
     config = LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=seq_len)
-    logger = TensorBoardLogger(logdir, name="demo")
+    # no hp_metric placeholder: TensorBoard's first screen then shows only what the run measured
+    logger = TensorBoardLogger(logdir, name="demo", default_hp_metric=False)
     callbacks = _profiling_callbacks()
     # The data holds `steps` batches for every rank (enough when all ranks are data parallel); ranks of one
     # tp/cp/pp group share batches, so a rank's sampler sees more than `steps`. limit_train_batches makes the
@@ -63,7 +65,9 @@ def run_demo(
     if trainer.is_global_zero:
         print(f"\nmeshkit demo: {trainer.strategy.parallel_dims} trained {trainer.global_step} steps, "
               f"final loss {float(trainer.callback_metrics['train_loss']):.3f}")
-        print(f"View it with:\n  tensorboard --logdir {os.path.abspath(logdir)}")
+        from meshkit.profiling.report import where_to_look
+
+        print(where_to_look(os.path.abspath(logdir)))
     return trainer
 
 

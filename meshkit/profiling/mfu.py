@@ -47,7 +47,7 @@ from typing_extensions import override
 
 from meshkit.modelspec import find_config
 from meshkit.profiling.flops import cpu_peak_key, flop_counter, model_flops_per_token, normalize_dtype, peak_info
-from meshkit.profiling.report import BREAKDOWN_PARTS, SCALAR_PREFIX, points_lost, write_layout, write_window
+from meshkit.profiling.report import BREAKDOWN_PARTS, step_scalars, write_layout, write_window
 from meshkit.profiling.window import ProfilerWindows, WindowSteps
 
 __all__ = ["MFUMonitor", "StepMetrics", "mesh_factors", "batch_tokens", "split_step"]
@@ -167,7 +167,8 @@ def split_step(step_ms: float, data_ms: float, fwd_bwd_ms: float, optimizer_ms: 
 
 @dataclass
 class StepMetrics:
-    """What MFUMonitor computed for one step (also logged under ``mfu/``)."""
+    """What MFUMonitor computed for one step (logged as :meth:`scalars`; tags and units in
+    :mod:`meshkit.profiling.report`)."""
 
     step: int
     step_time_s: float
@@ -182,15 +183,11 @@ class StepMetrics:
     breakdown: dict[str, float]
 
     def scalars(self) -> dict[str, float]:
-        p = SCALAR_PREFIX
-        out = {f"{p}/mfu": self.mfu, f"{p}/hfu": self.hfu, f"{p}/tflops_per_device": self.tflops_per_device,
-               f"{p}/hardware_tflops_per_device": self.hardware_tflops_per_device,
-               f"{p}/tokens_per_s": self.tokens_per_s, f"{p}/tokens_per_s_per_device": self.tokens_per_s_per_device,
-               f"{p}/step_time_ms": 1e3 * self.step_time_s}
-        out.update({f"{p}/breakdown/{k}": v for k, v in self.breakdown.items()})
-        lost = points_lost(self.breakdown, self.mfu)
-        out.update({f"{p}/points_lost/{k}": v for k, v in lost.items() if k != "ideal"})
-        return out
+        """This step's TensorBoard scalars by tag, in their units (:func:`meshkit.profiling.report.step_scalars`)."""
+        return step_scalars(self.mfu, self.hfu, self.breakdown, step_time_s=self.step_time_s,
+                            tflops_per_device=self.tflops_per_device,
+                            hardware_tflops_per_device=self.hardware_tflops_per_device,
+                            tokens_per_s=self.tokens_per_s, tokens_per_s_per_device=self.tokens_per_s_per_device)
 
 
 # --------------------------------------------------------------------------------- callback
@@ -256,8 +253,8 @@ class MFUMonitor(Callback):
             ``cost / (profile_budget · step time)`` batches, never fewer than ``profile_every``.
             ``None``: a window every ``profile_every`` batches whatever it costs.
         log_every: log scalars every this many batches (default: the Trainer's log_every_n_steps).
-        trace_dir: where traces go (default ``<log_dir>/profiler``, which TensorBoard's
-            pytorch_profiler tab reads).
+        trace_dir: where traces go (default ``<log_dir>/profiler``; ``meshkit analyze`` reads them, and
+            Chrome-trace viewers such as Perfetto open them).
         doctor: also run :class:`meshkit.doctor.Doctor` (added to the Trainer's callbacks unless it has
             one): the failures that raise no error, in ``<log_dir>/doctor.json`` and TensorBoard.
 

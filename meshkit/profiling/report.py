@@ -1,29 +1,58 @@
-"""TensorBoard output: the "MFU breakdown" custom-scalar layout, markdown tables and figures.
+"""TensorBoard output: the tag names and units, the per-step scalars, tables and the waterfall.
 
-Analysis elsewhere returns plain data; this module only draws and writes it. Every writer
-function takes a ``SummaryWriter``-like object (``add_scalar``, ``add_text``, ``add_image``,
-``add_custom_scalars``), e.g. ``TensorBoardLogger.experiment``.
+Analysis elsewhere returns plain data; this module only draws and writes it, and it is the one home
+of every tag meshkit writes for MFU and of its unit. Every writer function takes a
+``SummaryWriter``-like object (``add_scalar``, ``add_text``, ``add_image``, ``add_custom_scalars``),
+e.g. ``TensorBoardLogger.experiment``.
+
+Where the view is (the built-in dashboards, no meshkit plugin): TensorBoard opens on its first
+dashboard with data, TIME SERIES, which groups cards by the tag's text before the first ``/``,
+sorts the groups and a group's cards (``/`` and digits first, then by character code, so upper case
+before lower case) and expands only the first two groups. The headline tags therefore live in two
+upper-case groups that sort before Lightning's ``epoch``, ``hp_metric`` and any lower-case tag:
+:data:`HEADLINE_GROUP` (``MFU``: the waterfall, then MFU in percent: the first screen's top row) and
+:data:`BREAKDOWN_GROUP` (``MFU_breakdown_pct``: one card per bucket, percent of the step time, right
+below). Details (HFU, points lost, throughput, the per-window scalars, the Gantt) sit under
+:data:`SCALAR_PREFIX` (``mfu``), a collapsed group. Every MFU and
+breakdown value is in percent: MFU and HFU in percent of peak, a bucket in percent of the step's
+wall time, points lost in MFU percentage points.
 
 Example::
 
     >>> b = {"compute": 0.6, "recompute": 0.1, "exposed_comm": 0.1, "bubble": 0.0,
     ...      "data_wait": 0.05, "optimizer": 0.05, "other": 0.1}
     >>> print(markdown_table(b, mfu=0.3).splitlines()[0])
-    | part | fraction of step | MFU points lost |
+    | part | % of step | MFU points lost |
+    >>> breakdown_tag("data_wait"), MFU_TAG
+    ('MFU_breakdown_pct/data_wait', 'MFU/mfu_pct')
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 __all__ = [
     "BREAKDOWN_PARTS",
+    "HEADLINE_GROUP",
+    "BREAKDOWN_GROUP",
     "SCALAR_PREFIX",
+    "MFU_TAG",
+    "HFU_TAG",
+    "WATERFALL_TAG",
+    "TABLE_TAG",
+    "GANTT_TAG",
+    "LAYOUT_TITLE",
+    "breakdown_tag",
+    "points_lost_tag",
+    "window_tag",
+    "step_scalars",
+    "where_to_look",
     "breakdown_layout",
     "points_lost",
     "markdown_table",
+    "text_table",
     "overlap_markdown",
     "waterfall_figure",
     "figure_to_array",
@@ -36,19 +65,83 @@ BREAKDOWN_PARTS = ("compute", "recompute", "exposed_comm", "bubble", "data_wait"
 """The step's wall time, split: fractions ≥ 0 that sum to 1. Only ``compute`` produces model FLOPs.
 ``other`` is host time inside forward+backward between ops (and any timer gap); ``profiler_overhead``
 is MFUMonitor's own time (starting, stopping, exporting, analysing and writing its windows)."""
+
+HEADLINE_GROUP = "MFU"
+"""TIME SERIES group 1 (expanded, the first cards of the first screen): the waterfall image, MFU in percent."""
+BREAKDOWN_GROUP = "MFU_breakdown_pct"
+"""TIME SERIES group 2 (expanded on the first screen): one card per bucket, percent of the step time."""
 SCALAR_PREFIX = "mfu"
+"""The details group (collapsed): points lost, throughput, step time, per-window scalars, the Gantt."""
+
+WATERFALL_TAG = f"{HEADLINE_GROUP}/breakdown_waterfall"
+"""Sorts first in its group (TIME SERIES sorts a group's cards by tag): the top-left card of the first screen."""
+MFU_TAG = f"{HEADLINE_GROUP}/mfu_pct"
+HFU_TAG = f"{SCALAR_PREFIX}/hfu_pct"
+TABLE_TAG = f"{HEADLINE_GROUP}/breakdown_table"
+"""The window's text (TEXT dashboard; torch's ``add_text`` appends ``/text_summary``)."""
+GANTT_TAG = f"{SCALAR_PREFIX}/pipeline_gantt"
+LAYOUT_TITLE = "MFU breakdown (percent)"
+"""The custom-scalar category (CUSTOM SCALARS dashboard): one chart per series, each its own line."""
+
+
+def breakdown_tag(part: str) -> str:
+    """The per-step scalar of one bucket, in percent of the step time: ``MFU_breakdown_pct/<part>``."""
+    return f"{BREAKDOWN_GROUP}/{part}"
+
+
+def points_lost_tag(part: str) -> str:
+    """The per-step scalar of the MFU percentage points one bucket costs: ``mfu/points_lost_pct/<part>``."""
+    return f"{SCALAR_PREFIX}/points_lost_pct/{part}"
+
+
+def window_tag(name: str) -> str:
+    """A profiled window's scalar (same step as its table and waterfall): ``mfu/window/<name>``, where
+    ``name`` is ``mfu_pct``, ``step_time_ms`` or ``breakdown_pct/<part>``."""
+    return f"{SCALAR_PREFIX}/window/{name}"
+
+
+def step_scalars(mfu: float, hfu: float, fractions: Mapping[str, float], *, step_time_s: float,
+                 tflops_per_device: float, hardware_tflops_per_device: float, tokens_per_s: float,
+                 tokens_per_s_per_device: float) -> dict[str, float]:
+    """One step's scalars by tag, in their units (MFU, HFU and buckets in percent; see the module doc).
+
+    >>> s = step_scalars(0.25, 0.3, {"compute": 0.5, "other": 0.5}, step_time_s=0.1, tflops_per_device=1,
+    ...                  hardware_tflops_per_device=1.2, tokens_per_s=10, tokens_per_s_per_device=10)
+    >>> s["MFU/mfu_pct"], s["MFU_breakdown_pct/other"], s["mfu/points_lost_pct/other"]
+    (25.0, 50.0, 25.0)
+    """
+    p = SCALAR_PREFIX
+    out = {MFU_TAG: 100.0 * mfu, HFU_TAG: 100.0 * hfu, f"{p}/tflops_per_device": tflops_per_device,
+           f"{p}/hardware_tflops_per_device": hardware_tflops_per_device, f"{p}/tokens_per_s": tokens_per_s,
+           f"{p}/tokens_per_s_per_device": tokens_per_s_per_device, f"{p}/step_time_ms": 1e3 * step_time_s}
+    out.update({breakdown_tag(k): 100.0 * fractions.get(k, 0.0) for k in BREAKDOWN_PARTS})
+    lost = points_lost(fractions, mfu)
+    out.update({points_lost_tag(k): v for k, v in lost.items() if k != "ideal"})
+    return out
+
+
+def where_to_look(logdir: str) -> str:
+    """The lines a script prints after training: the command, the tab and the tags to open.
+
+    >>> print(where_to_look("/tmp/logs").splitlines()[0])
+    View it with:  tensorboard --logdir /tmp/logs
+    """
+    return (f"View it with:  tensorboard --logdir {logdir}\n"
+            f"  first screen, tab TIME SERIES: group {HEADLINE_GROUP}: {WATERFALL_TAG} (ideal -> achieved MFU, "
+            f"MFU points lost per bucket) and {MFU_TAG}\n"
+            f"  and group {BREAKDOWN_GROUP}: one card per bucket, e.g. {breakdown_tag('data_wait')} "
+            f"(percent of the step time)\n"
+            f"  tab TEXT: {TABLE_TAG} (the window's table, per-rank overlap, stragglers)")
 
 
 def breakdown_layout() -> dict[str, Any]:
-    """The custom-scalar layout: one category "MFU breakdown" with three charts."""
-    return {
-        "MFU breakdown": {
-            "MFU and HFU": ["Multiline", [f"{SCALAR_PREFIX}/mfu", f"{SCALAR_PREFIX}/hfu"]],
-            "step time split (fractions)": ["Multiline", [f"{SCALAR_PREFIX}/breakdown/{p}" for p in BREAKDOWN_PARTS]],
-            "MFU points lost": ["Multiline", [f"{SCALAR_PREFIX}/points_lost/{p}" for p in BREAKDOWN_PARTS[1:]]],
-            "throughput": ["Multiline", [f"{SCALAR_PREFIX}/tokens_per_s", f"{SCALAR_PREFIX}/tokens_per_s_per_device"]],
-        }
-    }
+    """The custom-scalar layout: one category, one chart per series (a chart's lines share one colour
+    per run, so each bucket gets its own chart, titled with its name and unit)."""
+    charts = {"MFU (% of peak)": ["Multiline", [MFU_TAG]], "HFU (% of peak)": ["Multiline", [HFU_TAG]]}
+    charts.update({f"{p} (% of step)": ["Multiline", [breakdown_tag(p)]] for p in BREAKDOWN_PARTS})
+    charts.update({f"{p}: MFU points lost": ["Multiline", [points_lost_tag(p)]] for p in BREAKDOWN_PARTS[1:]})
+    charts["tokens/s"] = ["Multiline", [f"{SCALAR_PREFIX}/tokens_per_s"]]
+    return {LAYOUT_TITLE: charts}
 
 
 def points_lost(fractions: Mapping[str, float], mfu: float) -> dict[str, float]:
@@ -67,9 +160,10 @@ def points_lost(fractions: Mapping[str, float], mfu: float) -> dict[str, float]:
 
 def markdown_table(fractions: Mapping[str, float], mfu: float, step_time_s: float | None = None,
                    title: str | None = None) -> str:
-    """A markdown table of the breakdown: fraction, milliseconds (if the step time is known), MFU points lost."""
+    """A markdown table of the breakdown (four short columns, so TensorBoard's TEXT dashboard does not
+    wrap it): percent of the step, MFU points lost, milliseconds per step (if the step time is known)."""
     lost = points_lost(fractions, mfu)
-    head = "| part | fraction of step | MFU points lost |" + (" ms per step |" if step_time_s else "")
+    head = "| part | % of step | MFU points lost |" + (" ms per step |" if step_time_s else "")
     lines = ([f"**{title}**", ""] if title else []) + [head, "|---|---:|---:|" + ("---:|" if step_time_s else "")]
     for p in BREAKDOWN_PARTS:
         row = f"| {p} | {100 * fractions.get(p, 0.0):.2f} % | {lost.get(p, 0.0):.2f} |" if p != "compute" else \
@@ -81,21 +175,43 @@ def markdown_table(fractions: Mapping[str, float], mfu: float, step_time_s: floa
     return "\n".join(lines)
 
 
+def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A wide table as pre-formatted text (a fenced block, columns padded): TensorBoard's TEXT dashboard
+    squeezes a wide markdown table until its cells wrap letter by letter; pre-formatted text keeps its
+    lines and scrolls sideways instead. The first column is left-aligned, the others right-aligned.
+
+    >>> print(text_table(["rank", "ms"], [[0, "1.50"], [10, "12.25"]]))
+    ```
+    rank     ms
+    ----  -----
+    0      1.50
+    10    12.25
+    ```
+    """
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    lines = [fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]]
+    return "\n".join(["```"] + lines + ["```"])
+
+
 def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
     """Per-rank overlap and step-model tables (from :func:`meshkit.profiling.overlap.analyze_window`
-    or ``analyze``) as markdown, with the straggler verdict and who waited for whom."""
+    or ``analyze``) as pre-formatted text (:func:`text_table`: they are too wide for a markdown table),
+    with the straggler verdict and who waited for whom."""
     cols = ["steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"]
-    lines = ["| rank | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-    for r, v in result.get("ranks", {}).items():
-        lines.append(f"| {r} | " + " | ".join(f"{v[c]:.3f}" if c != "steps" else str(v[c]) for c in cols) + " |")
     ranks = result.get("ranks", {})
+    lines = ["per-rank overlap (ms summed over the profiled steps):", "",
+             text_table(["rank"] + cols, [[r] + [f"{v[c]:.3f}" if c != "steps" else v[c] for c in cols]
+                                          for r, v in ranks.items()])]
     names = list(next(iter(ranks.values()), {}).get("buckets_ms", {}))
     if names:
+        rows = [[r] + [f"{v['buckets_ms'][n]:.3f}" for n in names]
+                + [", ".join(f"rank {k}: {x:.1f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"]
+                for r, v in ranks.items()]
         lines += ["", "step model (ms summed over the profiled steps; buckets partition each step):", "",
-                  "| rank | " + " | ".join(names) + " | waiting for |", "|---|" + "---:|" * len(names) + "---|"]
-        for r, v in ranks.items():
-            waits = ", ".join(f"rank {k}: {x:.1f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
-            lines.append(f"| {r} | " + " | ".join(f"{v['buckets_ms'][n]:.3f}" for n in names) + f" | {waits} |")
+                  text_table(["rank"] + names + ["waiting for"], rows)]
     verdict = result.get("straggler")
     floor = result.get("noise_floor_ms")
     lines.append("")
@@ -112,27 +228,46 @@ def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
 
 
 def waterfall_figure(fractions: Mapping[str, float], mfu: float, title: str = "MFU waterfall"):
-    """A waterfall: ideal MFU (compute at its own rate) → minus each lost part → achieved MFU."""
+    """A horizontal waterfall, top to bottom: ideal MFU (compute at its own rate), the MFU points each part
+    loses (a bar ending where the previous one started; parts that lose under 0.005 points are left out,
+    the table lists every part), the achieved MFU; every bar labelled with its value.
+
+    Sized for where TensorBoard shows it: a TIME SERIES card fits the image into about 380 × 215 px and
+    the IMAGES dashboard into 350 px of width, both without smoothing, so the figure is 16:9 with large
+    type rather than wide with small type."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
     lost = points_lost(fractions, mfu)
-    labels = ["ideal"] + [p for p in BREAKDOWN_PARTS[1:]] + ["achieved"]
-    fig = Figure(figsize=(8, 3.6))
+    parts = [p for p in BREAKDOWN_PARTS[1:] if lost[p] >= 0.005]
+    labels = ["ideal"] + parts + ["achieved"]
+    fig = Figure(figsize=(7.2, 4.05), dpi=100)
     ax = fig.add_subplot(1, 1, 1)
-    level = lost["ideal"]
-    ax.bar(0, level, color="#4c72b0")
-    for i, p in enumerate(BREAKDOWN_PARTS[1:], start=1):
-        ax.bar(i, -lost[p], bottom=level, color="#c44e52")
+    ideal, achieved = lost["ideal"], 100 * mfu
+    font = 15 if len(labels) <= 7 else 12
+    ax.barh(0, ideal, color="#4c72b0", height=0.7)
+    ax.text(ideal, 0, f" {ideal:.2f} %", va="center", ha="left", fontsize=font)
+    level = ideal
+    for i, p in enumerate(parts, start=1):
+        ax.barh(i, -lost[p], left=level, color="#c44e52", height=0.7)
+        ax.text(level, i, f" −{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)", va="center",
+                ha="left", fontsize=font)
         level -= lost[p]
-    ax.bar(len(labels) - 1, 100 * mfu, color="#55a868")
-    ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("MFU (%)")
-    ax.set_title(title)
-    fig.tight_layout()
+    ax.barh(len(labels) - 1, achieved, color="#55a868", height=0.7)
+    ax.text(achieved, len(labels) - 1, f" {achieved:.2f} %", va="center", ha="left", fontsize=font,
+            fontweight="bold")
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=font)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 2.1 * max(ideal, achieved, 1e-9))  # room for the labels right of the bars
+    ax.set_xticks([])
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel("MFU, % of peak (bars: MFU points lost)", fontsize=font - 2)
+    ax.set_title(title, fontsize=font - 2)
+    fig.tight_layout(pad=0.4)
     return fig
 
 
@@ -146,30 +281,31 @@ def figure_to_array(fig) -> np.ndarray:
 
 
 def write_layout(writer: Any) -> None:
-    """Register the "MFU breakdown" custom-scalar layout (once per run)."""
+    """Register the :data:`LAYOUT_TITLE` custom-scalar layout (once per run)."""
     writer.add_custom_scalars(breakdown_layout())
 
 
 def write_window(writer: Any, step: int, fractions: Mapping[str, float], mfu: float, step_time_s: float,
                  overlap: Mapping[str, Any] | None = None, gantt: Any = None, *, title: str | None = None,
                  peak_source: str | None = None) -> None:
-    """A profiled window: the breakdown table, the waterfall and the ``mfu/window/*`` scalars, all from
-    the same ``fractions`` and ``mfu``; and (if given) the overlap table and the pipeline Gantt."""
+    """A profiled window: the breakdown table (:data:`TABLE_TAG`), the waterfall (:data:`WATERFALL_TAG`)
+    and the ``mfu/window/*`` scalars (percent), all from the same ``fractions`` and ``mfu``; and (if
+    given) the overlap tables and the pipeline Gantt."""
     title = title or f"MFU breakdown at step {step}"
     text = markdown_table(fractions, mfu, step_time_s, title=title)
     if peak_source:
         text += f"\n\npeak FLOP/s: {peak_source}"
     if overlap is not None:
         text += "\n\n" + overlap_markdown(overlap)
-    writer.add_text(f"{SCALAR_PREFIX}/breakdown_table", text, step)
-    writer.add_image(f"{SCALAR_PREFIX}/waterfall", figure_to_array(waterfall_figure(fractions, mfu, title)), step,
+    writer.add_text(TABLE_TAG, text, step)
+    writer.add_image(WATERFALL_TAG, figure_to_array(waterfall_figure(fractions, mfu, title)), step,
                      dataformats="HWC")
-    writer.add_scalar(f"{SCALAR_PREFIX}/window/mfu", mfu, step)
-    writer.add_scalar(f"{SCALAR_PREFIX}/window/step_time_ms", 1e3 * step_time_s, step)
+    writer.add_scalar(window_tag("mfu_pct"), 100.0 * mfu, step)
+    writer.add_scalar(window_tag("step_time_ms"), 1e3 * step_time_s, step)
     for p in BREAKDOWN_PARTS:
-        writer.add_scalar(f"{SCALAR_PREFIX}/window/breakdown/{p}", fractions.get(p, 0.0), step)
+        writer.add_scalar(window_tag(f"breakdown_pct/{p}"), 100.0 * fractions.get(p, 0.0), step)
     if gantt is not None:
-        writer.add_image(f"{SCALAR_PREFIX}/pipeline_gantt", figure_to_array(gantt), step, dataformats="HWC")
+        writer.add_image(GANTT_TAG, figure_to_array(gantt), step, dataformats="HWC")
     flush = getattr(writer, "flush", None)
     if flush:
         flush()

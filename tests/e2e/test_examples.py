@@ -46,7 +46,7 @@ def test_mfu_breakdown_shows_the_slow_loader_as_data_wait(tmp_path):
     match = re.search(r"data_wait was ([\d.]+)% of the step time", out)
     assert match, out[-2000:]
     assert float(match.group(1)) >= 30.0, out[-2000:]
-    assert "tab CUSTOM SCALARS -> 'MFU breakdown'" in out and "tag mfu/breakdown/data_wait" in out
+    assert "tab TIME SERIES" in out and "MFU_breakdown_pct/data_wait" in out and "MFU/breakdown_waterfall" in out
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)

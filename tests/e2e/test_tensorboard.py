@@ -1,104 +1,57 @@
 """End to end: a small run with MFUMonitor, then `tensorboard --logdir` serves everything it wrote.
 
-Starts TensorBoard on a free 127.0.0.1 port, waits a bounded time, queries its HTTP API for the
-scalars, the "MFU breakdown" custom-scalar layout, the text table, the images and the
-pytorch_profiler run, and kills it at the end. Also runs `meshkit analyze --json` on the traces.
+The run and the TensorBoard serving it (a free 127.0.0.1 port, bounded waits, killed at the end)
+are the session fixtures of tests/e2e/conftest.py, shared with the browser test. This file queries
+TensorBoard's HTTP API for the scalars (in percent, under the tags of meshkit.profiling.report),
+the custom-scalar layout, the text table and the images; runs `meshkit analyze --json` on the
+traces; and reads the event file back to check that a window's table, waterfall and scalars agree.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.parse
-import urllib.request
 
 import pytest
+
+from meshkit.profiling import report as R
+from tests.e2e.conftest import tb_get, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_tensorboard_serves_everything(tensorboard_port):
+    port = tensorboard_port
+    plugins = tb_get(port, "/data/plugins_listing")
+    for name in ("timeseries", "scalars", "custom_scalars", "text", "images"):
+        assert name in plugins, sorted(plugins)
+    tags = tb_get(port, "/data/plugin/scalars/tags")
+    run = next(iter(tags))
+    for tag in (R.MFU_TAG, R.HFU_TAG, "mfu/tokens_per_s", R.breakdown_tag("compute"), R.points_lost_tag("other"),
+                R.window_tag("mfu_pct")):
+        assert tag in tags[run], sorted(tags[run])
+    series = tb_get(port, "/data/plugin/scalars/scalars", run=run, tag=R.MFU_TAG)
+    assert series and all(0 < point[2] < 100 for point in series)
+    for p in R.BREAKDOWN_PARTS:  # percent of the step
+        assert all(0 <= point[2] <= 100 for point in tb_get(port, "/data/plugin/scalars/scalars", run=run,
+                                                             tag=R.breakdown_tag(p)))
+    layout = wait_for(lambda: tb_get(port, "/data/plugin/custom_scalars/layout"), 30, "the custom-scalar layout")
+    assert [c["title"] for c in layout["category"]] == [R.LAYOUT_TITLE]
+    charts = layout["category"][0]["chart"]
+    assert all(len(c["multiline"]["tag"]) == 1 for c in charts)  # one series per chart: one line, one name
+    text_tags = wait_for(lambda: tb_get(port, "/data/plugin/text/tags"), 30, "text")
+    (text_tag,) = [t for t in text_tags[run] if t.startswith(R.TABLE_TAG)]  # torch adds /text_summary
+    table = json.dumps(tb_get(port, "/data/plugin/text/text", run=run, tag=text_tag))
+    assert "achieved MFU" in table and "exposed_comm" in table
+    images = wait_for(lambda: tb_get(port, "/data/plugin/images/tags"), 30, "images")
+    assert R.WATERFALL_TAG in images[run]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    import lightning as L
-    import torch
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    from meshkit.models import LlamaConfig, LlamaLM, synthetic_tokens
-    from meshkit.profiling.mfu import MFUMonitor
-
-    root = tmp_path_factory.mktemp("tb")
-    loader = torch.utils.data.DataLoader(synthetic_tokens(16, 16, 256), batch_size=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=TensorBoardLogger(str(root), name="demo"),
-                        callbacks=[MFUMonitor(profile_every=3, profile_start=2, profile_steps=1, log_every=1)],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(LlamaLM(LlamaConfig.tiny()), loader)
-    return root, trainer.log_dir
-
-
-def _get(port: int, path: str, **params):
-    url = f"http://127.0.0.1:{port}{path}" + ("?" + urllib.parse.urlencode(params) if params else "")
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.loads(r.read().decode())
-
-
-def _wait(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            value = fn()
-            if value:
-                return value
-        except OSError as exc:  # not listening yet
-            last = exc
-        time.sleep(1.0)
-    raise AssertionError(f"TensorBoard did not serve {what} within {timeout_s} s (last error: {last})")
-
-
-def test_tensorboard_serves_everything(run_dir):
-    root, log_dir = run_dir
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(root), "--host", "127.0.0.1",
-                             "--port", str(port), "--reload_interval", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        plugins = _wait(lambda: _get(port, "/data/plugins_listing"), 90, "the plugin listing")
-        for name in ("scalars", "custom_scalars", "text", "images", "pytorch_profiler"):
-            assert name in plugins, sorted(plugins)
-        tags = _wait(lambda: _get(port, "/data/plugin/scalars/tags"), 60, "scalars")
-        run = next(iter(tags))
-        for tag in ("mfu/mfu", "mfu/hfu", "mfu/tokens_per_s", "mfu/breakdown/compute", "mfu/points_lost/other"):
-            assert tag in tags[run], sorted(tags[run])
-        series = _get(port, "/data/plugin/scalars/scalars", run=run, tag="mfu/mfu")
-        assert series and all(0 < point[2] < 1 for point in series)
-        layout = _wait(lambda: _get(port, "/data/plugin/custom_scalars/layout"), 30, "the custom-scalar layout")
-        assert [c["title"] for c in layout["category"]] == ["MFU breakdown"]
-        text_tags = _wait(lambda: _get(port, "/data/plugin/text/tags"), 30, "text")
-        (text_tag,) = [t for t in text_tags[run] if t.startswith("mfu/breakdown_table")]  # torch adds /text_summary
-        table = _get(port, "/data/plugin/text/text", run=run, tag=text_tag)
-        assert "achieved MFU" in json.dumps(table) and "exposed_comm" in json.dumps(table)
-        images = _wait(lambda: _get(port, "/data/plugin/images/tags"), 30, "images")
-        assert "mfu/waterfall" in images[run]
-        runs = _wait(lambda: _get(port, "/data/plugin/pytorch_profiler/runs").get("runs"), 90, "the profiler run")
-        assert any("profiler" in r for r in runs), runs
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-def test_analyze_cli_reads_the_run(run_dir):
-    _, log_dir = run_dir
+def test_analyze_cli_reads_the_run(tb_run):
+    _, log_dir = tb_run
     out = subprocess.run([sys.executable, "-m", "meshkit.profiling.overlap", os.path.join(log_dir, "profiler"),
                           "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT})
@@ -107,10 +60,10 @@ def test_analyze_cli_reads_the_run(run_dir):
     assert result["ranks"]["0"]["steps"] >= 1 and result["ranks"]["0"]["compute_ms"] > 0
 
 
-def test_table_waterfall_and_scalars_show_the_same_window(run_dir):
+def test_table_waterfall_and_scalars_show_the_same_window(tb_run):
     """Read the event file back: the window's markdown table, its waterfall image and its
-    ``mfu/window/*`` scalars carry the same numbers (the image is compared with a re-rendering of
-    the scalars; a breakdown moved by 5 points renders differently)."""
+    ``mfu/window/*`` scalars (percent) carry the same numbers (the image is compared with a re-rendering
+    of the scalars; a breakdown moved by 5 points renders differently)."""
     import io
     import re
 
@@ -118,29 +71,28 @@ def test_table_waterfall_and_scalars_show_the_same_window(run_dir):
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from meshkit.profiling.report import BREAKDOWN_PARTS, figure_to_array, waterfall_figure
-
-    _, log_dir = run_dir
+    _, log_dir = tb_run
     acc = EventAccumulator(log_dir, size_guidance={"tensors": 0, "images": 0, "scalars": 0})
     acc.Reload()
-    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith("mfu/breakdown_table")]
+    (tag,) = [t for t in acc.Tags()["tensors"] if t.startswith(R.TABLE_TAG)]
     events = acc.Tensors(tag)
     step = events[0].step
     text = events[0].tensor_proto.string_val[0].decode()
-    scal = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"] if t.startswith("mfu/window/")}
-    fractions = {p: scal[f"mfu/window/breakdown/{p}"][step] for p in BREAKDOWN_PARTS}
-    mfu = scal["mfu/window/mfu"][step]
-    assert sum(fractions.values()) == pytest.approx(1.0, abs=1e-5)
-    for p in BREAKDOWN_PARTS:  # the table's percentages are the scalars, to its 2 decimals
+    scal = {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"]}
+    pct = {p: scal[R.window_tag(f"breakdown_pct/{p}")][step] for p in R.BREAKDOWN_PARTS}
+    mfu_pct = scal[R.window_tag("mfu_pct")][step]
+    assert sum(pct.values()) == pytest.approx(100.0, abs=1e-3)
+    for p in R.BREAKDOWN_PARTS:  # the table's percentages are the scalars, to its 2 decimals
         m = re.search(rf"\| {p} \| ([0-9.]+) % \|", text)
-        assert m and float(m.group(1)) == pytest.approx(100 * fractions[p], abs=0.006), (p, text)
-    assert f"**{100 * mfu:.2f} %**" in text
+        assert m and float(m.group(1)) == pytest.approx(pct[p], abs=0.006), (p, text)
+    assert f"**{mfu_pct:.2f} %**" in text
     title = text.splitlines()[0].strip("*")
-    (img_event,) = [e for e in acc.Images("mfu/waterfall") if e.step == step]
+    fractions, mfu = {p: v / 100 for p, v in pct.items()}, mfu_pct / 100
+    (img_event,) = [e for e in acc.Images(R.WATERFALL_TAG) if e.step == step]
     img = np.asarray(Image.open(io.BytesIO(img_event.encoded_image_string)).convert("RGB")).astype(int)
-    same = figure_to_array(waterfall_figure(fractions, mfu, title)).astype(int)
+    same = R.figure_to_array(R.waterfall_figure(fractions, mfu, title)).astype(int)
     moved = dict(fractions, compute=fractions["compute"] - 0.05, other=fractions["other"] + 0.05)
-    other = figure_to_array(waterfall_figure(moved, mfu, title)).astype(int)
+    other = R.figure_to_array(R.waterfall_figure(moved, mfu, title)).astype(int)
     assert img.shape == same.shape
     assert np.abs(img - same).mean() < 0.5 < np.abs(img - other).mean()
     assert "peak FLOP/s: measured" in text  # the CPU peak says where it comes from

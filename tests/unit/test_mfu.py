@@ -79,7 +79,11 @@ def test_report_layer(tmp_path):
     img = R.figure_to_array(R.waterfall_figure(fr, 0.4))
     assert img.ndim == 3 and img.shape[2] == 3 and img.dtype == np.uint8
     layout = R.breakdown_layout()
-    assert list(layout) == ["MFU breakdown"]
+    assert list(layout) == [R.LAYOUT_TITLE]
+    charts = layout[R.LAYOUT_TITLE]
+    # one series per chart (a chart's lines share the run's colour), every bucket has its own chart
+    assert all(len(tags) == 1 for _, tags in charts.values())
+    assert {tags[0] for _, tags in charts.values()} >= {R.breakdown_tag(p) for p in R.BREAKDOWN_PARTS} | {R.MFU_TAG}
 
     class Writer:
         def __init__(self):
@@ -91,6 +95,34 @@ def test_report_layer(tmp_path):
     w = Writer()
     R.write_window(w, 7, fr, 0.4, 0.5, overlap={"ranks": {}, "stragglers": []})
     assert w.calls[:2] == ["add_text", "add_image"]
+
+
+def test_step_scalars_are_percent_under_the_first_screen_groups():
+    fr = dict.fromkeys(R.BREAKDOWN_PARTS, 0.0) | {"compute": 0.5, "exposed_comm": 0.25, "data_wait": 0.25}
+    s = R.step_scalars(0.1, 0.12, fr, step_time_s=0.2, tflops_per_device=1.0, hardware_tflops_per_device=1.2,
+                       tokens_per_s=100.0, tokens_per_s_per_device=50.0)
+    assert s[R.MFU_TAG] == pytest.approx(10.0) and s[R.HFU_TAG] == pytest.approx(12.0)
+    assert sum(s[R.breakdown_tag(p)] for p in R.BREAKDOWN_PARTS) == pytest.approx(100.0)
+    assert s[R.breakdown_tag("exposed_comm")] == pytest.approx(25.0)
+    assert s[R.points_lost_tag("exposed_comm")] == pytest.approx(5.0)  # ideal 20 % x 0.25
+    assert s["mfu/step_time_ms"] == pytest.approx(200.0)
+    # TensorBoard's TIME SERIES expands the first two tag groups, sorted by character code ("/" first):
+    # the headline groups are upper case, so they come before Lightning's epoch / hp_metric / train_loss
+    groups = sorted({t.split("/", 1)[0] for t in s} | {"epoch", "hp_metric", "train_loss"})
+    assert groups[:2] == [R.HEADLINE_GROUP, R.BREAKDOWN_GROUP]
+    assert R.WATERFALL_TAG.split("/")[0] == R.HEADLINE_GROUP
+
+
+def test_wide_tables_are_preformatted_text():
+    out = R.overlap_markdown({"ranks": {0: dict(steps=2, compute_ms=1.0, comm_ms=2.0, overlapped_comm_ms=1.0,
+                                                 exposed_comm_ms=1.0, idle_ms=0.5, overlap_pct=50.0)}})
+    lines = out.splitlines()
+    block = lines[lines.index("```") + 1:]
+    block = block[:block.index("```")]
+    assert block[0].split() == ["rank", "steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms",
+                                "idle_ms", "overlap_pct"]
+    assert block[2].split() == ["0", "2", "1.000", "2.000", "1.000", "1.000", "0.500", "50.000"]
+    assert len({len(line) for line in block}) == 1  # padded columns
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -27,6 +27,7 @@ from meshkit.profiling.occupancy.arch import ARCHS, _gpu_arch, resolve_arch
 from meshkit.profiling.occupancy.compile import KernelResources, build_signature, compile_many, launch_configs
 from meshkit.profiling.occupancy.theory import (LIMITERS, GridWaves, Occupancy, grid_waves,
                                                 theoretical_occupancy)
+from meshkit.profiling.report import text_table
 
 __all__ = [
     "KernelReport",
@@ -205,18 +206,27 @@ def occupancy_text(reports: Sequence[KernelReport]) -> str:
     return "\n".join(lines)
 
 
-def occupancy_markdown(reports: Sequence[KernelReport]) -> str:
-    """A markdown table: one row per kernel x arch x config."""
-    head = ("| kernel | arch | warps | stages | constexprs | regs/thread | spill B | smem B | blocks/SM | "
-            "warps/SM | occupancy | limiter | hint |")
-    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
+_TABLE_HEADER = ("kernel", "arch", "warps", "stages", "constexprs", "regs/thread", "spill B", "smem B", "blocks/SM",
+                 "warps/SM", "occupancy", "limiter", "hint")
+
+
+def _table_rows(reports: Sequence[KernelReport]) -> list[list[str]]:
+    """One row per kernel x arch x config, in the order of :data:`_TABLE_HEADER`."""
+    rows = []
     for r in reports:
         occ = r.occupancy
         consts = ", ".join(f"{k}={v}" for k, v in r.constexprs.items())
-        lines.append(f"| {r.kernel} | {r.arch} | {r.num_warps} | {r.num_stages} | {consts} | "
-                     f"{r.registers_per_thread} | {r.spill_bytes} | {r.shared_bytes} | "
-                     f"{occ.active_blocks_per_sm} | {occ.active_warps_per_sm}/{occ.max_warps_per_sm} | "
-                     f"{occ.occupancy:.1%} | {occ.limiter} | {occ.hint} |")
+        rows.append([r.kernel, r.arch, str(r.num_warps), str(r.num_stages), consts, str(r.registers_per_thread),
+                     str(r.spill_bytes), str(r.shared_bytes), str(occ.active_blocks_per_sm),
+                     f"{occ.active_warps_per_sm}/{occ.max_warps_per_sm}", f"{occ.occupancy:.1%}", occ.limiter,
+                     occ.hint])
+    return rows
+
+
+def occupancy_markdown(reports: Sequence[KernelReport]) -> str:
+    """A markdown table: one row per kernel x arch x config."""
+    lines = ["| " + " | ".join(_TABLE_HEADER) + " |", "|" + "|".join(["---"] * len(_TABLE_HEADER)) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in _table_rows(reports)]
     return "\n".join(lines)
 
 
@@ -248,7 +258,7 @@ def _tag(report: KernelReport) -> str:
 
 def write_occupancy_tensorboard(reports: Sequence[KernelReport], log_dir_or_writer: Any, step: int = 0,
                                 empty_note: str = "no kernels to report") -> None:
-    """Write the markdown table (tag ``occupancy/table``), an occupancy scalar and a bar chart per report.
+    """Write the table (tag ``occupancy/table``, pre-formatted text), an occupancy scalar and a bar chart per report.
 
     ``log_dir_or_writer`` is a run directory or an open ``SummaryWriter``.
 
@@ -259,7 +269,9 @@ def write_occupancy_tensorboard(reports: Sequence[KernelReport], log_dir_or_writ
     own = isinstance(log_dir_or_writer, (str, os.PathLike))
     writer = SummaryWriter(os.fspath(log_dir_or_writer)) if own else log_dir_or_writer
     try:
-        writer.add_text("occupancy/table", occupancy_markdown(reports) if reports else empty_note, step)
+        # 13 columns: pre-formatted text, which TensorBoard's TEXT dashboard does not wrap letter by letter
+        writer.add_text("occupancy/table", text_table(_TABLE_HEADER, _table_rows(reports)) if reports else empty_note,
+                        step)
         for r in reports:
             writer.add_scalar(_tag(r) + "/occupancy", r.occupancy.occupancy, step)
             writer.add_figure(_tag(r) + "/limits", _bar_figure(r), step, close=True)
