@@ -25,7 +25,10 @@ must be in that dict before the first ``Trainer(strategy=...)``, and not a momen
   every Lightning module it needs is complete, while in the middle of Lightning's own import
   (where ``lightning.pytorch.strategies`` finishes) it would meet half-initialised modules.
   ``import lightning.pytorch`` always runs ``lightning/__init__`` first, so both spellings are covered.
-  Until then the finder costs one string comparison per import.
+  When ``meshkit.plugins`` is what imports Lightning (``meshkit.NDParallelStrategy`` used first), its
+  strategy module is half-built at that moment, so the hook also watches ``meshkit.plugins`` and
+  registers at the end of whichever of the two finishes last. Until then the finder costs two string
+  comparisons per import.
 
 The standalone ``pytorch_lightning`` package is not supported: ``NDParallelStrategy`` is a
 ``lightning.pytorch`` strategy, which ``pytorch_lightning.Trainer`` would refuse.
@@ -111,14 +114,27 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+_WATCHED = ("lightning", "meshkit.plugins")  # the hook registers once both have finished importing
+_loading: set[str] = set()  # watched packages whose __init__ is running now
+
+
 def _register_presets() -> None:
     from meshkit.plugins.strategy import register_presets
 
     register_presets()
 
 
+def _register_if_ready() -> None:
+    """Register when Lightning is loaded and meshkit.plugins is not half-way through its own import
+    (meshkit.plugins imports Lightning itself: then its end, not Lightning's, is the moment)."""
+    if "lightning" in sys.modules and not _loading:
+        for finder in [f for f in sys.meta_path if type(f).__name__ == _RegisterAfterLightning.__name__]:
+            sys.meta_path.remove(finder)  # one shot
+        _register_presets()
+
+
 class _ThenRegister(importlib.abc.Loader):
-    """Runs the ``lightning`` package's own loader, then registers meshkit's strategy names."""
+    """Runs a watched package's own loader, then registers meshkit's strategy names if ready."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
         self.loader = loader
@@ -128,19 +144,24 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         module.__loader__ = module.__spec__.loader = self.loader  # the package looks as if loaded plainly
-        self.loader.exec_module(module)
-        _register_presets()
+        _loading.add(module.__name__)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            _loading.discard(module.__name__)
+        _register_if_ready()
 
 
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """One-shot import hook: registers the presets right after ``import lightning`` completes."""
+    """Import hook: registers the presets right after ``import lightning`` completes, then removes itself."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != "lightning":
+        if fullname not in _WATCHED:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the search below from finding this finder
         for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 break
         else:

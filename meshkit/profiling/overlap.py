@@ -461,11 +461,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        result = analyze(args.logdir, min_lateness_ms=args.min_lateness_ms)
-    except ValueError as exc:
-        print(f"meshkit analyze: error: {exc}", file=sys.stderr)
-        return 2
+    result = analyze(args.logdir, min_lateness_ms=args.min_lateness_ms)  # ValueError: meshkit.cli, exit 2
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -474,8 +470,3 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"meshkit analyze: warning: partial result ({len(result['problems'])} problems)", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="meshkit analyze")
-    configure_parser(p)
-    raise SystemExit(run_cli(p.parse_args()))

@@ -19,13 +19,14 @@ _MESHKIT_FIRST = """
 import json, sys
 import meshkit
 assert "lightning" not in sys.modules
+{first}
 import lightning.pytorch as pl
 trainer = pl.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=1, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-print(json.dumps({"strategy": type(trainer.strategy).__qualname__,
+print(json.dumps({{"strategy": type(trainer.strategy).__qualname__,
                   "is_meshkit": type(trainer.strategy) is meshkit.NDParallelStrategy,
                   "hooks_left": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_RegisterAfterLightning"],
-                  "loader_restored": type(sys.modules["lightning"].__loader__).__name__ != "_ThenRegister"}))
+                  "loader_restored": type(sys.modules["lightning"].__loader__).__name__ != "_ThenRegister"}}))
 """
 
 
@@ -35,9 +36,11 @@ def _trainer_strategy(pl):
     return trainer.strategy
 
 
-def test_strategy_name_resolves_when_meshkit_is_imported_first():
-    """The import hook: Lightning imported after meshkit (a fresh process; ~1 import of Lightning)."""
-    out = subprocess.run([sys.executable, "-c", _MESHKIT_FIRST], capture_output=True, text=True, timeout=600,
+@pytest.mark.parametrize("first", ["pass", "meshkit.NDParallelStrategy"], ids=["lightning_next", "plugins_next"])
+def test_strategy_name_resolves_when_meshkit_is_imported_first(first):
+    """The import hook, in a fresh process: Lightning imported by the user after meshkit, or by
+    meshkit.plugins itself (then the hook waits for meshkit.plugins to finish)."""
+    out = subprocess.run([sys.executable, "-c", _MESHKIT_FIRST.format(first=first)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
