@@ -428,18 +428,25 @@ def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dic
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """A fixed-width text table of :func:`analyze`'s result (the CLI's default output)."""
+    """A fixed-width text table of :func:`analyze`'s result (the CLI's default output).
+
+    Every time is a total over the profiled steps of the windows used (the first line says which), in the
+    unit its column names (``_ms``, ``_pct``); ``steps`` counts those steps.
+    """
     cols = ["steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"]
     has_bubble = any("bubble_ms" in v for v in result["ranks"].values())
     if has_bubble:
         cols.append("bubble_ms")
-    lines = ["rank " + " ".join(f"{c:>18}" for c in cols)]
+    used = result.get("windows_used", [])
+    scope = f"totals over each rank's profiled steps, profiler windows {used} (keyed by first batch)"
+    lines = [f"per rank, ms and % ({scope}; overlap_pct = overlapped / all comm):",
+             "rank " + " ".join(f"{c:>18}" for c in cols)]
     for r, v in result["ranks"].items():
         lines.append(f"{r:>4} " + " ".join(f"{v.get(c, float('nan')):>18.3f}" if c != "steps" else f"{v[c]:>18d}"
                                             for c in cols))
     names = list(next(iter(result["ranks"].values()), {}).get("buckets_ms", {}))
     if names:
-        lines += ["", "step model, ms (each step's time in exactly one bucket):",
+        lines += ["", "step model, ms summed over the same steps (each step's time in exactly one bucket):",
                   "rank " + " ".join(f"{n:>13}" for n in names) + "  waiting for"]
         for r, v in result["ranks"].items():
             waits = ", ".join(f"rank {k} {x:.3f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
