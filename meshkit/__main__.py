@@ -1,8 +1,7 @@
 """``python -m meshkit VERB ...``: the same command line as the ``meshkit`` console script.
 
-Not as fast for ``--help``: Python imports the ``meshkit`` package (whose ``__init__`` registers the
-strategy presets with Lightning, seconds) before it runs this file, so nothing here can skip that.
-The console script (top-level ``meshkit_cli``) answers ``meshkit --help`` without importing the package.
+As fast for ``--help``: the package's ``__init__`` imports neither torch nor Lightning (its public
+names load on first use), and :mod:`meshkit.cli` imports only the chosen verb's module.
 """
 
 from meshkit.cli import main

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from meshkit.doctor.findings import Finding
+from meshkit.profiling.overlap import noise_floor
 from meshkit.schedules import theoretical_bubble
 from meshkit.timeline import TimelineRecord
 
@@ -38,7 +39,6 @@ __all__ = [
     "pp_unbalanced",
     "zero3_exposed_allgather",
     "low_occupancy",
-    "noise_floor",
 ]
 
 JITTER_K = 4.0
@@ -50,11 +50,9 @@ WARN_SHARE = 0.25
 shared or oversubscribed host, CPU contention alone makes one rank that late); more is a "warning"."""
 
 
-def noise_floor(series: Sequence[Sequence[float]], typical: float) -> float:
-    """max(JITTER_K × median over series of 1.4826·MAD(series), MIN_SHARE × typical)."""
-    mads = [1.4826 * statistics.median(abs(x - statistics.median(s)) for x in s) for s in series if len(s) >= 2]
-    jitter = statistics.median(mads) if mads else 0.0
-    return max(JITTER_K * jitter, MIN_SHARE * typical)
+def _floor(series: Sequence[Sequence[float]], typical: float) -> float:
+    """The doctor's rule: max(JITTER_K × median over series of 1.4826·MAD(series), MIN_SHARE × typical)."""
+    return noise_floor(series, k=JITTER_K, minimum=MIN_SHARE * typical)
 
 
 # ------------------------------------------------------------------------------------- layout
@@ -248,7 +246,7 @@ def straggler(waits_ms: Mapping[int, Sequence[float]], step_ms: float) -> Findin
     med = np.median(late, axis=1)
     worst = int(med.argmax())
     others = [float(np.median(late[i])) for i in range(len(ranks)) if i != worst]
-    floor = noise_floor([late[i].tolist() for i in range(len(ranks)) if i != worst], step_ms)
+    floor = _floor([late[i].tolist() for i in range(len(ranks)) if i != worst], step_ms)
     excess = float(med[worst]) - statistics.median(others)
     if excess <= floor:
         return None
@@ -283,7 +281,7 @@ def pp_unbalanced(records: Sequence[TimelineRecord], skip_steps: int = 1) -> Fin
     slow = int(excess.argmax())
     stage_ms = {s: float(np.median(c[i])) for i, s in enumerate(stages)}
     mean = statistics.fmean(stage_ms.values())
-    floor = noise_floor(rel.tolist(), 1.0)
+    floor = _floor(rel.tolist(), 1.0)
     if excess[slow] <= floor:
         return None
     severity = "warning" if excess[slow] > WARN_SHARE else "info"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from meshkit.doctor.findings import REPORT_FILE, Finding, format_findings, merge_ranks, read_report
 
@@ -29,7 +28,7 @@ def _find_report(logdir: str) -> str | None:
 def diagnose_logdir(logdir: str) -> tuple[list[Finding], str]:
     """(findings, where they came from) for a finished run's log directory."""
     if not os.path.isdir(logdir):
-        raise ValueError(f"meshkit doctor: `LOGDIR={logdir!r}` is not a directory; pass a run's log_dir.")
+        raise ValueError(f"`LOGDIR={logdir!r}` is not a directory; pass a run's log_dir.")
     report = _find_report(logdir)
     if report is not None:
         return read_report(report)[0], report
@@ -53,11 +52,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        findings, source = diagnose_logdir(args.logdir)
-    except ValueError as exc:
-        print(f"meshkit doctor: error: {exc}", file=sys.stderr)
-        return 2
+    findings, source = diagnose_logdir(args.logdir)  # a ValueError: meshkit.cli prints it, exit 2
     if args.json:
         print(json.dumps({"findings": [f.to_dict() for f in findings], "source": source}, indent=1, default=str))
     else:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -591,53 +590,45 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        out: dict[str, Any]
-        if args.timeline:
-            tdir = find_timeline_dir(args.timeline) or args.timeline
-            records = read_timeline(tdir)
-            skip = min(args.skip_steps, max(len({r.step for r in records}) - 1, 0))
-            meas = measured_bubble(records, skip_steps=skip)
-            sim = simulate_from_timeline(records, skip_steps=skip)
-            hop = hop_latency_ns(records, skip)
-            sim_comm = simulate_from_timeline(records, skip_steps=skip, comm=hop)
-            out = {**sim.to_dict(), "measured_bubble_fraction": meas.bubble_fraction,
-                   "measured_step_time_ms": meas.step_time_ns / 1e6,
-                   "simulated_bubble_fraction": sim.bubble_fraction,
-                   "hop_latency_ms": hop / 1e6,
-                   "simulated_with_hops_bubble_fraction": sim_comm.bubble_fraction,
-                   "per_step_bubble_fraction": {str(k): v for k, v in meas.per_step.items()}}
-            out["total_time"] /= 1e6
-            out["ideal_time"] /= 1e6
-            out["time_unit"] = "ms"
-            fig_src: Any = records
-        else:
-            name = _schedule_name(args.schedule)
-            theory = theoretical_bubble(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
-            out = {"schedule": name, "stages": args.stages, "microbatches": args.microbatches,
-                   "virtual": args.virtual}
-            fig_src = None
-            if _has_order(name, args.virtual):
-                fig_src = simulate(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
-                out.update(fig_src.to_dict())
-            out.update({"theoretical_bubble_fraction": theory["bubble_fraction"],
-                        "theoretical_total_time": theory["total_time"]})
-            if args.gantt and fig_src is None:
-                raise ValueError(f"--gantt needs a built-in order; `schedule={name!r}` has theory only.")
-        if args.gantt:
-            gantt_figure(fig_src).savefig(args.gantt, dpi=120)
-            out["gantt"] = args.gantt
-    except ValueError as exc:
-        print(f"meshkit bubble: error: {exc}", file=sys.stderr)
-        return 2
+    # a ValueError propagates: meshkit.cli prints `meshkit bubble: error: ...` on stderr, exit 2
+    out: dict[str, Any]
+    if args.timeline:
+        tdir = find_timeline_dir(args.timeline) or args.timeline
+        records = read_timeline(tdir)
+        skip = min(args.skip_steps, max(len({r.step for r in records}) - 1, 0))
+        meas = measured_bubble(records, skip_steps=skip)
+        sim = simulate_from_timeline(records, skip_steps=skip)
+        hop = hop_latency_ns(records, skip)
+        sim_comm = simulate_from_timeline(records, skip_steps=skip, comm=hop)
+        out = {**sim.to_dict(), "measured_bubble_fraction": meas.bubble_fraction,
+               "measured_step_time_ms": meas.step_time_ns / 1e6,
+               "simulated_bubble_fraction": sim.bubble_fraction,
+               "hop_latency_ms": hop / 1e6,
+               "simulated_with_hops_bubble_fraction": sim_comm.bubble_fraction,
+               "per_step_bubble_fraction": {str(k): v for k, v in meas.per_step.items()}}
+        out["total_time"] /= 1e6
+        out["ideal_time"] /= 1e6
+        out["time_unit"] = "ms"
+        fig_src: Any = records
+    else:
+        name = _schedule_name(args.schedule)
+        theory = theoretical_bubble(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+        out = {"schedule": name, "stages": args.stages, "microbatches": args.microbatches,
+               "virtual": args.virtual}
+        fig_src = None
+        if _has_order(name, args.virtual):
+            fig_src = simulate(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+            out.update(fig_src.to_dict())
+        out.update({"theoretical_bubble_fraction": theory["bubble_fraction"],
+                    "theoretical_total_time": theory["total_time"]})
+        if args.gantt and fig_src is None:
+            raise ValueError(f"--gantt needs a built-in order; `schedule={name!r}` has theory only.")
+    if args.gantt:
+        gantt_figure(fig_src).savefig(args.gantt, dpi=120)
+        out["gantt"] = args.gantt
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         print(format_bubble(out, unit=out.get("time_unit", args.unit)))
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="meshkit bubble")
-    configure_parser(p)
-    raise SystemExit(run_cli(p.parse_args()))

@@ -65,7 +65,7 @@ import numpy as np
 from meshkit.profiling.trace import Intervals, RankTrace, TraceWindow, intersection_measure, load_windows
 
 __all__ = ["CPU_PRECEDENCE", "CUDA_PRECEDENCE", "TRACE_BUCKETS", "step_claims", "step_buckets",
-           "rank_step_metrics", "match_collectives", "find_stragglers", "straggler_report", "analyze_window",
+           "rank_step_metrics", "match_collectives", "noise_floor", "find_stragglers", "straggler_report", "analyze_window",
            "analyze", "format_table", "configure_parser", "run_cli"]
 
 _US_PER_MS = 1000.0
@@ -189,13 +189,25 @@ def match_collectives(ranks: dict[int, RankTrace]) -> list[dict[str, Any]]:
     return instances
 
 
-def _noise_floor(instances: list[dict[str, Any]], min_lateness_ms: float) -> float:
-    late = np.array([x["lateness_ms"] for x in instances])
-    if late.size < 10:
-        return min_lateness_ms
-    med = float(np.median(late))
-    mad = float(np.median(np.abs(late - med)))
-    return max(min_lateness_ms, med + 8 * 1.4826 * mad)
+def noise_floor(series: Sequence[Sequence[float]], *, k: float, minimum: float = 0.0, add_median: bool = False,
+                min_samples: int = 2) -> float:
+    """A run's own noise floor: ``max(minimum, [median] + k · jitter)``, the one home of the rule.
+
+    ``jitter`` is the median over ``series`` of ``1.4826 · MAD(series)`` (a robust standard deviation);
+    series shorter than ``min_samples`` are ignored, and with none left the floor is ``minimum``.
+    ``add_median`` adds the median of the series' medians (a level, for lateness that is never 0).
+    ``meshkit analyze`` uses one pooled series, ``k=8``, ``add_median=True``, ``min_samples=10``;
+    the doctor per-rank series, ``k=JITTER_K`` and ``minimum=MIN_SHARE × step``.
+
+    >>> noise_floor([[1.0, 2.0, 3.0]], k=2)  # MAD 1 -> 2 * 1.4826
+    2.9652
+    """
+    kept = [np.asarray(s, dtype=float) for s in series if len(s) >= min_samples]
+    if not kept:
+        return minimum
+    meds = [float(np.median(s)) for s in kept]
+    jitter = float(np.median([1.4826 * float(np.median(np.abs(s - m))) for s, m in zip(kept, meds)]))
+    return max(minimum, (float(np.median(meds)) if add_median else 0.0) + k * jitter)
 
 
 def _root(inst: dict[str, Any], late: list[dict[str, Any]], blocked: dict[int, Intervals], depth: int = 0) -> int:
@@ -228,7 +240,8 @@ def straggler_report(ranks: dict[int, RankTrace], blocked: dict[int, Intervals] 
                 "instances": 0, "problems": problems}
     blocked = blocked or {}
     instances = match_collectives(ranks)
-    floor = _noise_floor(instances, min_lateness_ms)
+    floor = noise_floor([[x["lateness_ms"] for x in instances]], k=8, minimum=min_lateness_ms, add_median=True,
+                        min_samples=10)
     late = [x for x in instances if x["lateness_ms"] > floor]
     groups: dict[tuple[str, tuple[int, ...]], list[dict[str, Any]]] = {}
     for x in instances:
@@ -415,18 +428,25 @@ def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dic
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """A fixed-width text table of :func:`analyze`'s result (the CLI's default output)."""
+    """A fixed-width text table of :func:`analyze`'s result (the CLI's default output).
+
+    Every time is a total over the profiled steps of the windows used (the first line says which), in the
+    unit its column names (``_ms``, ``_pct``); ``steps`` counts those steps.
+    """
     cols = ["steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"]
     has_bubble = any("bubble_ms" in v for v in result["ranks"].values())
     if has_bubble:
         cols.append("bubble_ms")
-    lines = ["rank " + " ".join(f"{c:>18}" for c in cols)]
+    used = result.get("windows_used", [])
+    scope = f"totals over each rank's profiled steps, profiler windows {used} (keyed by first batch)"
+    lines = [f"per rank, ms and % ({scope}; overlap_pct = overlapped / all comm):",
+             "rank " + " ".join(f"{c:>18}" for c in cols)]
     for r, v in result["ranks"].items():
         lines.append(f"{r:>4} " + " ".join(f"{v.get(c, float('nan')):>18.3f}" if c != "steps" else f"{v[c]:>18d}"
                                             for c in cols))
     names = list(next(iter(result["ranks"].values()), {}).get("buckets_ms", {}))
     if names:
-        lines += ["", "step model, ms (each step's time in exactly one bucket):",
+        lines += ["", "step model, ms summed over the same steps (each step's time in exactly one bucket):",
                   "rank " + " ".join(f"{n:>13}" for n in names) + "  waiting for"]
         for r, v in result["ranks"].items():
             waits = ", ".join(f"rank {k} {x:.3f} ms" for k, x in v.get("waiting_for_ms", {}).items()) or "-"
@@ -461,11 +481,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    try:
-        result = analyze(args.logdir, min_lateness_ms=args.min_lateness_ms)
-    except ValueError as exc:
-        print(f"meshkit analyze: error: {exc}", file=sys.stderr)
-        return 2
+    result = analyze(args.logdir, min_lateness_ms=args.min_lateness_ms)  # ValueError: meshkit.cli, exit 2
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -474,8 +490,3 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"meshkit analyze: warning: partial result ({len(result['problems'])} problems)", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    p = argparse.ArgumentParser(prog="meshkit analyze")
-    configure_parser(p)
-    raise SystemExit(run_cli(p.parse_args()))

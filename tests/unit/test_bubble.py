@@ -182,8 +182,11 @@ def test_gantt_and_cli(tmp_path, capsys):
     assert out["total_time"] == pytest.approx(28.5)
     assert out["bubble_fraction"] == pytest.approx(3 / 19)
     assert len(out["peak_inflight_microbatches"]) == 4 and png.stat().st_size > 1000
-    assert B.run_cli(p.parse_args(["--schedule", "zero-bubble", "-p", "4", "-m", "8"])) == 2
-    assert "tw" in capsys.readouterr().err
+    from meshkit.cli import main  # user errors: the one catch in meshkit.cli
+
+    assert main(["bubble", "--schedule", "zero-bubble", "-p", "4", "-m", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshkit bubble: error: ") and "tw" in err
     # measured: a recorded run
     sim = _write_run(tmp_path / "run")
     assert B.run_cli(p.parse_args(["--timeline", str(tmp_path / "run"), "--json"])) == 0

@@ -209,6 +209,8 @@ def test_report_round_trip_and_cli(tmp_path, capsys):
                                   "evidence": {"late_ms": 50.0}, "fix": "look at rank 3"}
     assert main(["doctor", str(tmp_path)]) == 0
     assert "WARNING  straggler (rank 3): late_ms=50.0" in capsys.readouterr().out
+    assert main(["doctor", str(tmp_path / "missing")]) == 2  # the one catch in meshkit.cli
+    assert capsys.readouterr().err == f"meshkit doctor: error: `LOGDIR={str(tmp_path / 'missing')!r}` is not a directory; pass a run's log_dir.\n"
     with pytest.raises(ValueError, match="is not a known finding"):
         Finding("nope", "info", None)
 

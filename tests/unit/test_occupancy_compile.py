@@ -202,15 +202,20 @@ def test_cli_table_tensorboard_and_errors(reduction, cache_dir, capsys, tmp_path
     assert "occupancy/table/text_summary" in tags["tensors"]
     assert tags["images"] == ["occupancy/row_sum_squares/sm_90/w4_s3_BLOCK1024/limits"]
 
-    assert _cli(["nosuch.module:k", "--signature", "X=*fp32"]) == 2
-    assert "cannot import module 'nosuch.module'" in capsys.readouterr().err
-    assert _cli(["tests.fixtures.occupancy_kernels:row_sum_squares", "--arch", "sm_90"]) == 2
+    from meshkit.cli import main  # user errors: the one catch in meshkit.cli
+
+    assert main(["occupancy", "nosuch.module:k", "--signature", "X=*fp32"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshkit occupancy: error: ") and "cannot import module 'nosuch.module'" in err
+    assert main(["occupancy", "tests.fixtures.occupancy_kernels:row_sum_squares", "--arch", "sm_90"]) == 2
     assert "--signature is required" in capsys.readouterr().err
 
 
 def test_cli_builtin(reduction, cache_dir, capsys, monkeypatch):
     monkeypatch.delattr(meshkit.kernels, "builtin_kernel_specs", raising=False)
-    assert _cli(["--builtin", "--arch", "sm_90", "--json"]) == 2
+    from meshkit.cli import main
+
+    assert main(["occupancy", "--builtin", "--arch", "sm_90", "--json"]) == 2
     assert "meshkit.kernels.builtin_kernel_specs()" in capsys.readouterr().err
     spec = {"name": "sum_sq", "kernel": row_sum_squares,
             "signature": {"X": "*fp32", "OUT": "*fp32", "N": "i32", "stride": "i32"},

@@ -601,9 +601,9 @@ def test_cli_table_and_infeasible_exit_code(capsys):
     assert rc == 1 and "No layout fits" in out
     rc, out = _cli(CLI_70B + ["--max-cp", "1", "--max-pp", "1", "--json"], capsys)
     assert rc == 0 and all(x["cp"] == 1 and x["pp"] == 1 for x in json.loads(out)["layouts"])
-    parser = argparse.ArgumentParser(prog="meshkit plan")  # a user error: one line on stderr, exit 2
-    pl.configure_parser(parser)
-    rc = pl.run_cli(parser.parse_args(CLI_70B + ["--global-batch", "255", "--micro-batch", "2"]))
+    from meshkit.cli import main  # a user error: one line on stderr, exit 2 (the one catch in meshkit.cli)
+
+    rc = main(["plan"] + CLI_70B + ["--global-batch", "255", "--micro-batch", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("meshkit plan: error:") and "global_batch=255" in err
 

@@ -150,22 +150,24 @@ def test_healthy_run_names_no_straggler(tmp_path):
 
 
 def test_analysis_modules_import_neither_torch_nor_lightning(tmp_path):
-    """``meshkit analyze``'s code (trace, overlap, report) needs numpy and msgspec only. (``import
-    meshkit`` itself still imports torch and Lightning through meshkit/__init__.py, so here the
-    parent packages are bypassed.)"""
+    """``import meshkit`` and ``meshkit analyze``'s code (trace, overlap, report, the CLI) need numpy and
+    msgspec only: neither torch nor Lightning is imported (issue 12: they cost 4.5 CPU-s)."""
     write_trace(tmp_path / "rank0.4.pt.trace.json", 0, 1, cpu_marked())
     code = f"""
-import json, sys, types
-for name, sub in (("meshkit", "meshkit"), ("meshkit.profiling", "meshkit/profiling")):
-    m = types.ModuleType(name); m.__path__ = [{ROOT!r} + "/" + sub]; sys.modules[name] = m
+import contextlib, io, json, sys
+import meshkit, meshkit.timeline
+from meshkit.cli import main
 from meshkit.profiling.overlap import analyze
 from meshkit.profiling.report import overlap_markdown
 res = analyze({str(tmp_path)!r})
 overlap_markdown(res)
-print(json.dumps({{"torch": "torch" in sys.modules, "lightning": "lightning" in sys.modules,
-                  "compute": res["ranks"]["0"]["buckets_ms"]["compute"]}}))
+with contextlib.redirect_stdout(io.StringIO()) as text:
+    rc = main(["analyze", {str(tmp_path)!r}])
+print(json.dumps({{"torch": "torch" in sys.modules, "lightning": "lightning" in sys.modules, "rc": rc,
+                  "compute": res["ranks"]["0"]["buckets_ms"]["compute"], "printed": "compute" in text.getvalue()}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"torch": False, "lightning": False, "compute": pytest.approx(0.15)}
+    assert got == {"torch": False, "lightning": False, "rc": 0, "compute": pytest.approx(0.15), "printed": True}

@@ -272,6 +272,11 @@ def test_cli_json_shape_and_errors(cpu_dir, capsys):
         assert key in out["ranks"]["0"]
     assert set(out["stragglers"][0]) >= {"collective", "rank", "lateness_ms"}
     assert run_cli(p.parse_args([str(cpu_dir)])) == 0
-    assert "stragglers" in capsys.readouterr().out
-    assert run_cli(p.parse_args([str(cpu_dir / "missing")])) == 2
-    assert "does not exist" in capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "stragglers" in text and "totals over each rank's profiled steps, profiler windows [" in text
+    assert "step model, ms summed over the same steps" in text
+    from meshkit.cli import main  # user errors: the one catch in meshkit.cli
+
+    assert main(["analyze", str(cpu_dir / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshkit analyze: error: ") and "does not exist" in err

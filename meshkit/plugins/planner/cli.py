@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from meshkit.plugins.planner.costs import CALIBRATION, GPU_TABLE, SCHEDULES
 from meshkit.plugins.planner.explain import compare, header
@@ -79,22 +78,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``meshkit plan``: print the ranked layouts (or JSON); exit 1 when none fits."""
-    try:
-        model = ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                          ffn=args.ffn, vocab=args.vocab, params=args.params)
-        result = plan(model, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
-                      nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
-                      intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
-                      achieved_tflops=args.achieved_tflops, roofline_ridge=args.roofline_ridge,
-                      achieved_fraction=args.achieved_fraction, comm_efficiency=args.comm_efficiency,
-                      ridge_scale=args.ridge_scale, sequence_parallel=args.sequence_parallel, layout=args.layout,
-                      zero_stage=args.zero, schedule=args.schedule,
-                      activation_checkpointing=args.activation_checkpointing,
-                      optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
-                      max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp)
-    except ValueError as err:  # on stderr, like every verb's user error
-        print(f"meshkit plan: error: {err}", file=sys.stderr)
-        return 2
+    # a ValueError propagates: meshkit.cli prints `meshkit plan: error: ...` on stderr, exit 2
+    model = ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                      ffn=args.ffn, vocab=args.vocab, params=args.params)
+    result = plan(model, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                  nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
+                  intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
+                  achieved_tflops=args.achieved_tflops, roofline_ridge=args.roofline_ridge,
+                  achieved_fraction=args.achieved_fraction, comm_efficiency=args.comm_efficiency,
+                  ridge_scale=args.ridge_scale, sequence_parallel=args.sequence_parallel, layout=args.layout,
+                  zero_stage=args.zero, schedule=args.schedule,
+                  activation_checkpointing=args.activation_checkpointing,
+                  optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,
+                  max_tp=args.max_tp, max_pp=args.max_pp, max_cp=args.max_cp)
     if args.json:
         print(json.dumps(result.to_dict(top=args.top), indent=1))
     else:

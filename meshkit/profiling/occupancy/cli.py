@@ -114,16 +114,12 @@ def _builtin_specs() -> list[dict[str, Any]]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """Entry of ``meshkit occupancy``; returns the exit status (2 on a usage error, named on stderr).
+    """Entry of ``meshkit occupancy``; returns the exit status (a usage error raises ValueError; ``meshkit.cli`` reports it).
 
     >>> run_cli(parser.parse_args(["--builtin", "--arch", "sm_90", "--json"]))  # doctest: +SKIP
     0
     """
-    try:
-        reports = _run(args)
-    except ValueError as exc:
-        print(f"meshkit occupancy: error: {exc}", file=sys.stderr)
-        return 2
+    reports = _run(args)  # a ValueError: meshkit.cli prints it (``meshkit occupancy: error: ...``), exit 2
     if args.json:
         print(json.dumps({"reports": [r.to_dict() for r in reports]}, indent=1))
     else:

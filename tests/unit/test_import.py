@@ -1,0 +1,86 @@
+"""``import meshkit`` is light (no torch, no Lightning) and still makes the strategy names work,
+whichever of meshkit and Lightning is imported first (see meshkit/__init__.py for the mechanism)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import meshkit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_MESHKIT_FIRST = """
+import json, sys
+import meshkit
+assert "lightning" not in sys.modules
+{first}
+import lightning.pytorch as pl
+trainer = pl.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+print(json.dumps({{"strategy": type(trainer.strategy).__qualname__,
+                  "is_meshkit": type(trainer.strategy) is meshkit.NDParallelStrategy,
+                  "hooks_left": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_RegisterAfterLightning"],
+                  "loader_restored": type(sys.modules["lightning"].__loader__).__name__ != "_ThenRegister"}}))
+"""
+
+
+def _trainer_strategy(pl):
+    trainer = pl.Trainer(strategy="hsdp_tp", accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return trainer.strategy
+
+
+@pytest.mark.parametrize("first", ["pass", "meshkit.NDParallelStrategy"], ids=["lightning_next", "plugins_next"])
+def test_strategy_name_resolves_when_meshkit_is_imported_first(first):
+    """The import hook, in a fresh process: Lightning imported by the user after meshkit, or by
+    meshkit.plugins itself (then the hook waits for meshkit.plugins to finish)."""
+    out = subprocess.run([sys.executable, "-c", _MESHKIT_FIRST.format(first=first)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"strategy": "NDParallelStrategy", "is_meshkit": True, "hooks_left": [], "loader_restored": True}
+
+
+def test_strategy_name_resolves_when_lightning_is_imported_first():
+    """Lightning already loaded (this process): re-running ``meshkit/__init__`` registers at once."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from meshkit.plugins.presets import PRESETS
+    from meshkit.plugins.strategy import NDParallelStrategy
+
+    saved = {name: StrategyRegistry.pop(name) for name in PRESETS}
+    try:
+        importlib.reload(meshkit)
+        assert not [f for f in sys.meta_path if type(f).__name__ == "_RegisterAfterLightning"]
+        assert type(_trainer_strategy(pl)) is NDParallelStrategy
+        assert {name: StrategyRegistry[name]["init_params"] for name in PRESETS} == {n: {"preset": n} for n in PRESETS}
+    finally:
+        StrategyRegistry.update(saved)
+
+
+def test_import_meshkit_imports_neither_torch_nor_lightning():
+    code = ("import sys, meshkit; import meshkit.profiling.overlap, meshkit.timeline, meshkit.cli; "
+            "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_public_names_are_lazy_and_listed():
+    assert set(meshkit.__all__) <= set(dir(meshkit))
+    for name in meshkit.__all__:
+        assert getattr(meshkit, name) is not None, name
+    from meshkit.plugins.strategy import NDParallelStrategy
+    from meshkit.timeline import read_timeline
+
+    assert meshkit.NDParallelStrategy is NDParallelStrategy and meshkit.read_timeline is read_timeline
+    with pytest.raises(AttributeError, match="module 'meshkit' has no attribute 'no_such_name'"):
+        meshkit.no_such_name
