@@ -18,7 +18,7 @@ LLAMA3_70B = ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, 
 LLAMA3_405B = ModelSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 # The formulas before calibration (achieved half of peak, the roofline ridge as it is, attention at the matmul
 # rate, full link bandwidth): these tests check the formulas; the calibration tests at the end check the constants.
-UNCALIBRATED = dict(achieved_fraction=0.5, ridge_scale=1.0, attention_fraction=1.0, comm_efficiency=1.0)
+UNCALIBRATED = dict(achieved_fraction=0.5, ridge_scale=1.0, attention_fraction=1.0, comm_efficiency=1.0, tp_overlap=0.0)
 H100 = dict(gpu="h100-sxm", peak_tflops=989.4, **UNCALIBRATED)  # explicit peak: formulas only, no table lookup
 
 
@@ -344,7 +344,7 @@ def test_tp_and_pp_ratios_match_their_closed_forms():
     mdl = ModelSpec(layers=layers, hidden=h, heads=24, ffn=8 * h // 3, vocab=8)
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
-               activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
+               comm_efficiency=1.0, tp_overlap=0.0, activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
     assert lay.tp_comm_ratio == pytest.approx(3 * 400e12 / (3 * 3072 * 50e9))  # = 2.604
     assert lay.pp_comm_ratio == pytest.approx(2 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.0543
@@ -353,7 +353,7 @@ def test_tp_and_pp_ratios_match_their_closed_forms():
     # interleaved with v = 2: p·v = 4 chunk boundaries in both conventions
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
-               activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
+               comm_efficiency=1.0, tp_overlap=0.0, activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
     assert lay.virtual_stages == 2
     assert lay.pp_comm_ratio == pytest.approx(4 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.1085
@@ -386,9 +386,10 @@ def test_405b_on_16k_h100_with_every_option_open_gets_tp8_with_pipeline_across_n
     # (Llama 3 paper), micro-batch 1. The default ridge (295 FLOP/B on H100) and half / 1.5× of it agree.
     p = plan(LLAMA3_405B, seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8, roofline_ridge=ridge,
              **H100)
-    best = p.best
-    assert best is not None
-    assert best.tp == 8 and best.tp_intra_node
+    assert p.best is not None
+    # the fastest layout (at R = 450 the tie rule may put a pp = 1 ZeRO-3 layout within 1% of it first)
+    best = min(p.feasible, key=lambda lay: lay.step_time_s)
+    assert best.tp == 8 and best.tp_intra_node and p.best.tp == 8
     assert best.pp > 1
     assert best.pp * best.cp * best.tp > 8  # the pipeline axis spans nodes
     # What decides it: tp 8 keeps 8192/cp rows per GPU in each matmul; the best tp ≤ 4 layout needs more
@@ -450,7 +451,9 @@ def test_ranking_is_feasible_first_then_fastest():
     flags = [lay.feasible for lay in p.layouts]
     assert flags == sorted(flags, reverse=True)
     times = [lay.step_time_s for lay in p.feasible]
-    assert times == sorted(times)
+    # fastest first, except that the tie rule may move a layout within the error band to the front
+    rounded = [round(x, 9) for x in times[1:]]  # the rank key's precision
+    assert rounded == sorted(rounded) and times[0] <= min(times) * (1 + pl.ERROR_BAND)
     assert 0 < p.best.predicted_mfu <= 0.5 + 1e-9  # never above achieved / peak
     assert any(not f for f in flags)  # some layouts of 70B on 64 GPUs do not fit
 
@@ -583,9 +586,10 @@ def test_cli_json_shape(capsys):
     assert layouts[0]["step_time_s"] <= min(x["step_time_s"] for x in layouts) * (1 + pl.ERROR_BAND)
     assert data["inputs"]["achieved_tflops"] == pytest.approx(400)
     assert data["inputs"]["params"] == pytest.approx(70e9)
-    for lay in layouts:  # the ratios, at the rate each layout's matmuls run; h = 8192, W = 450 GB/s in a node
+    w = 450e9 * data["inputs"]["comm_efficiency"]  # the NVLink bandwidth collectives reach (fitted share)
+    for lay in layouts:  # the ratios, at the rate each layout's matmuls run; h = 8192, W in a node
         assert lay["tp_comm_ratio"] == pytest.approx((lay["tp"] - 1) * 400e12 * lay["matmul_efficiency"]
-                                                     / (3 * 8192 * 450e9), rel=1e-4)
+                                                     / (3 * 8192 * w), rel=1e-4)
     rc, out = _cli(CLI_70B + ["--top", "1", "--json", "--roofline-ridge", "0"], capsys)
     assert rc == 0 and json.loads(out)["inputs"]["roofline_ridge"] == 0
     assert json.loads(out)["best"]["matmul_efficiency"] == 1.0
@@ -698,13 +702,16 @@ def test_cli_layout_prints_it_beside_the_best_and_in_json(capsys):
 
 def test_activations_take_sequence_parallelism_as_an_input():
     # The seed's TP8 × PP8 stage 0 of 70B: sbh(10 + 24/t) per layer without SP, sbh·34/t with it (the 24 is a
-    # 4h MLP's; Llama's SwiGLU f = 3.5h makes it 8 + 6f/h = 29). 10 layers, 8 micro-batches in flight (1F1B).
+    # 4h MLP's; Llama's SwiGLU f = 3.5h makes it 8 + 6f/h = 29, and GQA's 8 of 64 kv heads make the attention's
+    # 8 (Q, K, V, proj input) 4 + 4·kv/a = 4.5: 25.5). 10 layers, 8 micro-batches in flight (1F1B).
     s, h, t, f = 4096, 8192, 8, 28672
     sbh = s * h
+    mha = pl.activation_bytes_per_layer(s, 1, h, 64, t, attention_scores=False, ffn=f)
+    assert mha == pytest.approx(sbh * (10 + 29 / 8))
     per_layer = {sp: pl.activation_bytes_per_layer(s, 1, h, 64, t, sequence_parallel=sp, attention_scores=False,
-                                                    ffn=f) for sp in (False, True)}
-    assert per_layer[False] == pytest.approx(sbh * (10 + 29 / 8))
-    assert per_layer[True] == pytest.approx(sbh * 39 / 8)
+                                                    ffn=f, kv_heads=8) for sp in (False, True)}
+    assert per_layer[False] == pytest.approx(sbh * (10 + 25.5 / 8))
+    assert per_layer[True] == pytest.approx(sbh * 35.5 / 8)
     logits = 8 * s * 128256 / t
     for sp in (False, True):
         p = plan(LLAMA3_70B, seq_len=s, global_batch=256, nodes=8, layout="pp=8,tp=8,schedule=1f1b,ac=none",
