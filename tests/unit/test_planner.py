@@ -386,11 +386,13 @@ def test_405b_on_16k_h100_with_every_option_open_gets_tp8_with_pipeline_across_n
     # (Llama 3 paper), micro-batch 1. The default ridge (295 FLOP/B on H100) and half / 1.5× of it agree.
     p = plan(LLAMA3_405B, seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8, roofline_ridge=ridge,
              **H100)
-    assert p.best is not None
-    # the fastest layout (at R = 450 the tie rule may put a pp = 1 ZeRO-3 layout within 1% of it first)
-    best = min(p.feasible, key=lambda lay: lay.step_time_s)
-    assert best.tp == 8 and best.tp_intra_node and p.best.tp == 8
-    assert best.pp > 1
+    assert p.best is not None and p.best.tp == 8 and p.best.tp_intra_node
+    # A pipeline across nodes is within the error band of the fastest layout (with op-level selective AC a pp = 1
+    # ZeRO-3 tp = 8 layout ties with it to 0.1%; the tie rule then decides by headroom and cross-node axes).
+    fastest = min(p.feasible, key=lambda lay: lay.step_time_s)
+    best = min((lay for lay in p.feasible if lay.pp > 1), key=lambda lay: lay.step_time_s)
+    assert best.step_time_s <= fastest.step_time_s * (1 + pl.ERROR_BAND)
+    assert best.tp == 8 and best.tp_intra_node
     assert best.pp * best.cp * best.tp > 8  # the pipeline axis spans nodes
     # What decides it: tp 8 keeps 8192/cp rows per GPU in each matmul; the best tp ≤ 4 layout needs more
     # CP or PP to fit and runs smaller kernels.
@@ -752,16 +754,75 @@ def test_calibration_rows_within_five_points_and_constants_are_the_fit():
         err = cal.evaluate_run(row).predicted_mfu - row.mfu
         if abs(err) > 0.05:
             misses[row.name] = round(100 * err, 1)
-    # Every fit row and every held-out row but the documented misses is within ±5 MFU points (goal of issue 15;
-    # cal.KNOWN_MISSES says why each miss misses).
-    assert set(misses) == set(cal.KNOWN_MISSES), misses
-    assert not any(row.fit for row in cal.PUBLISHED if row.name in cal.KNOWN_MISSES)
+    # Issue 15's goal: every row (fit and held out) within ±5 MFU points, but the one documented miss.
+    assert misses == {"llama3-405b-16k": -12.5}
+    assert set(misses) == set(cal.KNOWN_MISSES)
     # the shipped constants are the optimum of the fit rows among their neighbours on the fit grid
     c = pl.CALIBRATION
-    grid = [pl.Calibration(a, r, e, f) for a in (c.achieved_fraction - 0.01, c.achieved_fraction,
-                                                 c.achieved_fraction + 0.01)
-            for r in (c.ridge_scale, 0.2) for e in (0.9, 1.0) for f in (0.25, c.attention_fraction, 0.35)]
+    grid = [pl.Calibration(a, c.ridge_scale, e, c.attention_fraction, o)
+            for a in (c.achieved_fraction - 0.01, c.achieved_fraction, c.achieved_fraction + 0.01)
+            for e in (c.comm_efficiency, 0.9) for o in (c.tp_overlap - 0.25, c.tp_overlap, c.tp_overlap + 0.25)]
     assert cal.fit(grid=grid) == c
+
+
+def test_calibration_llama3_miss_is_memory_not_speed():
+    # Why the Llama 3 405B row misses, figure by figure (calibration.KNOWN_MISSES, docs/planner.md): as trained
+    # (no activation checkpointing, ZeRO-2) the predicted MFU is within 5 points, but the memory model puts it over
+    # the usable memory, so the layout's best variant that fits recomputes everything.
+    from meshkit.plugins.planner import calibration as cal
+
+    row = next(r for r in cal.PUBLISHED if r.name == "llama3-405b-16k")
+    kw = dict(seq_len=row.seq_len, global_batch=row.global_batch, nodes=row.nodes, peak_tflops=989.4, search=False)
+    as_trained = plan(row.model, layout=row.layout + ",zero=2,ac=none,v=4", **kw).named
+    assert abs(as_trained.predicted_mfu - row.mfu) <= 0.05
+    assert as_trained.memory_gb == pytest.approx(75.3, abs=0.1) and not as_trained.feasible
+    assert as_trained.memory_limit_gb == pytest.approx(72.0)
+    chosen = cal.evaluate_run(row)
+    assert chosen.feasible and chosen.activation_checkpointing == "full"
+    assert chosen.predicted_mfu == pytest.approx(0.285, abs=0.001)
+    with pytest.raises(ValueError, match="no runnable variant"):  # v = 8 needs 16·8 = 128 chunks of 126 layers
+        plan(row.model, layout=row.layout + ",v=8,schedule=interleaved_1f1b", **kw)
+
+
+def test_op_level_selective_checkpointing_fits_torchtitan_8b():
+    # torchtitan's Llama 3.1 8B at local batch 2, seq 8192, op-level selective AC ran on its 95 GiB H100s (82.4 and
+    # 67.0 GiB published on 8 and 128 GPUs); the planner fits both and keeps their 15.4 GiB difference within 2 GiB
+    # (it is ZeRO-3's 16Ψ(1/8 − 1/128) = 14.0 GiB of states). Its absolute figure is ~17 GiB lower: the allocator's
+    # reserve and the loss's temporaries are not modelled.
+    from meshkit.plugins.planner import calibration as cal
+
+    rows = [r for r in cal.PUBLISHED if r.name.startswith("torchtitan-8b")]
+    lays = [cal.evaluate_run(r) for r in rows]
+    assert all(lay.feasible and lay.activation_checkpointing == "selective" for lay in lays)
+    published = rows[0].published_memory_gib - rows[1].published_memory_gib
+    assert lays[0].memory_gb - lays[1].memory_gb == pytest.approx(published, abs=2.0)
+    # per layer: the block input, wq / wv / attention / w1 / w2 outputs: 2·sbh·(4 + kv/a + f/h), by hand
+    s, b, h = 8192, 2, 4096
+    assert pl.activation_bytes_per_layer(s, b, h, 32, 1, attention_scores=False, checkpointing="selective",
+                                         ffn=14336, kv_heads=8) == 2 * s * b * h * (4 + 8 / 32 + 14336 / h)
+    # recompute: wk, wo, w3 forward (every second matmul), 2·(h·kv·d + a·d·h + h·f) FLOP per token per layer
+    assert cal.LLAMA31_8B.op_sac_recompute_params == 32 * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)
+
+
+def test_tp_overlap_hides_at_most_the_compute():
+    assert pl.exposed_tp_time(2.0, 10.0, 0.5) == 1.0
+    assert pl.exposed_tp_time(2.0, 0.4, 1.0) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="tp_overlap=-0.1"):
+        plan(LLAMA3_70B, seq_len=4096, global_batch=256, nodes=8, tp_overlap=-0.1, layout="tp=8,pp=8", search=False)
+    # the step's TP term is the exposed share of the byte-count time
+    kw = dict(seq_len=4096, global_batch=256, nodes=8, layout="pp=8,tp=8,schedule=1f1b,ac=none", search=False,
+              **{**H100, "tp_overlap": 0.0})
+    full = plan(LLAMA3_70B, **kw).named
+    half = plan(LLAMA3_70B, **{**kw, "tp_overlap": 0.5}).named
+    assert half.losses_s["tp"] == pytest.approx(full.losses_s["tp"] / 2)
+    assert half.step_time_s == pytest.approx(full.step_time_s - full.losses_s["tp"] / 2)
+
+
+def test_interleaved_inflight_never_exceeds_the_microbatches():
+    # Megatron's interleaved warm-up on the first rank is 2(p−1) + (v−1)p chunks; at m = p it covers all m·v, so every
+    # forward runs first and the rank holds all m micro-batches, not p + (p−1)/v of them.
+    assert pl.inflight_microbatches("interleaved_1f1b", 16, 16, 4) == 16
+    assert pl.inflight_microbatches("interleaved_1f1b", 4, 16, 2) == 5.5
 
 
 def test_calibration_vs_best_of_a_published_layout():
@@ -770,3 +831,7 @@ def test_calibration_vs_best_of_a_published_layout():
     row = next(r for r in cal.PUBLISHED if r.name == "megatron-314b")
     lay = cal.evaluate_run(row, rank=True)
     assert lay.rank >= 1 and 1.0 <= lay.vs_best <= 1.10
+    # the seed's 70B TP8 × PP8 1F1B on 64 GPUs (the cheap row to rank): 1.104, a hair over the 1.10 goal, all of it
+    # the exposed half of tp = 8's traffic (benchmarks/planner_calibration.py ranks every row: 11 of 13 within 1.10)
+    seed = cal.evaluate_run(next(r for r in cal.PUBLISHED if r.name == "seed-70b-64gpu"), rank=True)
+    assert seed.vs_best == pytest.approx(1.104, abs=0.005)
