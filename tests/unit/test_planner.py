@@ -18,7 +18,7 @@ LLAMA3_70B = ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, 
 LLAMA3_405B = ModelSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 # The formulas before calibration (achieved half of peak, the roofline ridge as it is, attention at the matmul
 # rate, full link bandwidth): these tests check the formulas; the calibration tests at the end check the constants.
-UNCALIBRATED = dict(achieved_fraction=0.5, ridge_scale=1.0, attention_fraction=1.0, comm_efficiency=1.0)
+UNCALIBRATED = dict(achieved_fraction=0.5, ridge_scale=1.0, attention_fraction=1.0, comm_efficiency=1.0, tp_overlap=0.0)
 H100 = dict(gpu="h100-sxm", peak_tflops=989.4, **UNCALIBRATED)  # explicit peak: formulas only, no table lookup
 
 
@@ -344,7 +344,7 @@ def test_tp_and_pp_ratios_match_their_closed_forms():
     mdl = ModelSpec(layers=layers, hidden=h, heads=24, ffn=8 * h // 3, vocab=8)
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
-               activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
+               comm_efficiency=1.0, tp_overlap=0.0, activation_checkpointing="none", schedule="1f1b", roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
     assert lay.tp_comm_ratio == pytest.approx(3 * 400e12 / (3 * 3072 * 50e9))  # = 2.604
     assert lay.pp_comm_ratio == pytest.approx(2 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.0543
@@ -353,7 +353,7 @@ def test_tp_and_pp_ratios_match_their_closed_forms():
     # interleaved with v = 2: p·v = 4 chunk boundaries in both conventions
     res = plan(mdl, seq_len=16, global_batch=64, nodes=1, gpus_per_node=8, gpu="h100-sxm", peak_tflops=989.4,
                achieved_tflops=F / 1e12, intra_bw_gbs=W / 1e9, intra_latency_us=0, inter_latency_us=0,
-               activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
+               comm_efficiency=1.0, tp_overlap=0.0, activation_checkpointing="none", schedule="interleaved", virtual_stages=(2,), roofline_ridge=0)
     lay = next(x for x in res.layouts if (x.dp_shard, x.pp, x.cp, x.tp) == (1, p_, 1, t))
     assert lay.virtual_stages == 2
     assert lay.pp_comm_ratio == pytest.approx(4 * 400e12 / (12 * 3072 * 8 * 50e9))  # = 0.1085
@@ -386,10 +386,13 @@ def test_405b_on_16k_h100_with_every_option_open_gets_tp8_with_pipeline_across_n
     # (Llama 3 paper), micro-batch 1. The default ridge (295 FLOP/B on H100) and half / 1.5× of it agree.
     p = plan(LLAMA3_405B, seq_len=8192, global_batch=2048, nodes=2048, gpus_per_node=8, roofline_ridge=ridge,
              **H100)
-    best = p.best
-    assert best is not None
+    assert p.best is not None and p.best.tp == 8 and p.best.tp_intra_node
+    # A pipeline across nodes is within the error band of the fastest layout (with op-level selective AC a pp = 1
+    # ZeRO-3 tp = 8 layout ties with it to 0.1%; the tie rule then decides by headroom and cross-node axes).
+    fastest = min(p.feasible, key=lambda lay: lay.step_time_s)
+    best = min((lay for lay in p.feasible if lay.pp > 1), key=lambda lay: lay.step_time_s)
+    assert best.step_time_s <= fastest.step_time_s * (1 + pl.ERROR_BAND)
     assert best.tp == 8 and best.tp_intra_node
-    assert best.pp > 1
     assert best.pp * best.cp * best.tp > 8  # the pipeline axis spans nodes
     # What decides it: tp 8 keeps 8192/cp rows per GPU in each matmul; the best tp ≤ 4 layout needs more
     # CP or PP to fit and runs smaller kernels.
@@ -450,7 +453,9 @@ def test_ranking_is_feasible_first_then_fastest():
     flags = [lay.feasible for lay in p.layouts]
     assert flags == sorted(flags, reverse=True)
     times = [lay.step_time_s for lay in p.feasible]
-    assert times == sorted(times)
+    # fastest first, except that the tie rule may move a layout within the error band to the front
+    rounded = [round(x, 9) for x in times[1:]]  # the rank key's precision
+    assert rounded == sorted(rounded) and times[0] <= min(times) * (1 + pl.ERROR_BAND)
     assert 0 < p.best.predicted_mfu <= 0.5 + 1e-9  # never above achieved / peak
     assert any(not f for f in flags)  # some layouts of 70B on 64 GPUs do not fit
 
@@ -583,9 +588,10 @@ def test_cli_json_shape(capsys):
     assert layouts[0]["step_time_s"] <= min(x["step_time_s"] for x in layouts) * (1 + pl.ERROR_BAND)
     assert data["inputs"]["achieved_tflops"] == pytest.approx(400)
     assert data["inputs"]["params"] == pytest.approx(70e9)
-    for lay in layouts:  # the issue's ratios, at the rate each layout's matmuls run; h = 8192, W = 450 GB/s in a node
+    w = 450e9 * data["inputs"]["comm_efficiency"]  # the NVLink bandwidth collectives reach (fitted share)
+    for lay in layouts:  # the issue's ratios, at the rate each layout's matmuls run; h = 8192, W in a node
         assert lay["tp_comm_ratio"] == pytest.approx((lay["tp"] - 1) * 400e12 * lay["matmul_efficiency"]
-                                                     / (3 * 8192 * 450e9), rel=1e-4)
+                                                     / (3 * 8192 * w), rel=1e-4)
     rc, out = _cli(CLI_70B + ["--top", "1", "--json", "--roofline-ridge", "0"], capsys)
     assert rc == 0 and json.loads(out)["inputs"]["roofline_ridge"] == 0
     assert json.loads(out)["best"]["matmul_efficiency"] == 1.0
@@ -698,13 +704,16 @@ def test_cli_layout_prints_it_beside_the_best_and_in_json(capsys):
 
 def test_activations_take_sequence_parallelism_as_an_input():
     # The seed's TP8 × PP8 stage 0 of 70B: sbh(10 + 24/t) per layer without SP, sbh·34/t with it (the 24 is a
-    # 4h MLP's; Llama's SwiGLU f = 3.5h makes it 8 + 6f/h = 29). 10 layers, 8 micro-batches in flight (1F1B).
+    # 4h MLP's; Llama's SwiGLU f = 3.5h makes it 8 + 6f/h = 29, and GQA's 8 of 64 kv heads make the attention's
+    # 8 (Q, K, V, proj input) 4 + 4·kv/a = 4.5: 25.5). 10 layers, 8 micro-batches in flight (1F1B).
     s, h, t, f = 4096, 8192, 8, 28672
     sbh = s * h
+    mha = pl.activation_bytes_per_layer(s, 1, h, 64, t, attention_scores=False, ffn=f)
+    assert mha == pytest.approx(sbh * (10 + 29 / 8))
     per_layer = {sp: pl.activation_bytes_per_layer(s, 1, h, 64, t, sequence_parallel=sp, attention_scores=False,
-                                                    ffn=f) for sp in (False, True)}
-    assert per_layer[False] == pytest.approx(sbh * (10 + 29 / 8))
-    assert per_layer[True] == pytest.approx(sbh * 39 / 8)
+                                                    ffn=f, kv_heads=8) for sp in (False, True)}
+    assert per_layer[False] == pytest.approx(sbh * (10 + 25.5 / 8))
+    assert per_layer[True] == pytest.approx(sbh * 35.5 / 8)
     logits = 8 * s * 128256 / t
     for sp in (False, True):
         p = plan(LLAMA3_70B, seq_len=s, global_batch=256, nodes=8, layout="pp=8,tp=8,schedule=1f1b,ac=none",
@@ -745,16 +754,75 @@ def test_calibration_rows_within_five_points_and_constants_are_the_fit():
         err = cal.evaluate_run(row).predicted_mfu - row.mfu
         if abs(err) > 0.05:
             misses[row.name] = round(100 * err, 1)
-    # Every fit row and every held-out row but the documented misses is within ±5 MFU points (goal of issue 15;
-    # cal.KNOWN_MISSES says why each miss misses).
-    assert set(misses) == set(cal.KNOWN_MISSES), misses
-    assert not any(row.fit for row in cal.PUBLISHED if row.name in cal.KNOWN_MISSES)
+    # Issue 15's goal: every row (fit and held out) within ±5 MFU points, but the one documented miss.
+    assert misses == {"llama3-405b-16k": -12.5}
+    assert set(misses) == set(cal.KNOWN_MISSES)
     # the shipped constants are the optimum of the fit rows among their neighbours on the fit grid
     c = pl.CALIBRATION
-    grid = [pl.Calibration(a, r, e, f) for a in (c.achieved_fraction - 0.01, c.achieved_fraction,
-                                                 c.achieved_fraction + 0.01)
-            for r in (c.ridge_scale, 0.2) for e in (0.9, 1.0) for f in (0.25, c.attention_fraction, 0.35)]
+    grid = [pl.Calibration(a, c.ridge_scale, e, c.attention_fraction, o)
+            for a in (c.achieved_fraction - 0.01, c.achieved_fraction, c.achieved_fraction + 0.01)
+            for e in (c.comm_efficiency, 0.9) for o in (c.tp_overlap - 0.25, c.tp_overlap, c.tp_overlap + 0.25)]
     assert cal.fit(grid=grid) == c
+
+
+def test_calibration_llama3_miss_is_memory_not_speed():
+    # Why the Llama 3 405B row misses, figure by figure (calibration.KNOWN_MISSES, docs/planner.md): as trained
+    # (no activation checkpointing, ZeRO-2) the predicted MFU is within 5 points, but the memory model puts it over
+    # the usable memory, so the layout's best variant that fits recomputes everything.
+    from meshkit.plugins.planner import calibration as cal
+
+    row = next(r for r in cal.PUBLISHED if r.name == "llama3-405b-16k")
+    kw = dict(seq_len=row.seq_len, global_batch=row.global_batch, nodes=row.nodes, peak_tflops=989.4, search=False)
+    as_trained = plan(row.model, layout=row.layout + ",zero=2,ac=none,v=4", **kw).named
+    assert abs(as_trained.predicted_mfu - row.mfu) <= 0.05
+    assert as_trained.memory_gb == pytest.approx(75.3, abs=0.1) and not as_trained.feasible
+    assert as_trained.memory_limit_gb == pytest.approx(72.0)
+    chosen = cal.evaluate_run(row)
+    assert chosen.feasible and chosen.activation_checkpointing == "full"
+    assert chosen.predicted_mfu == pytest.approx(0.285, abs=0.001)
+    with pytest.raises(ValueError, match="no runnable variant"):  # v = 8 needs 16·8 = 128 chunks of 126 layers
+        plan(row.model, layout=row.layout + ",v=8,schedule=interleaved_1f1b", **kw)
+
+
+def test_op_level_selective_checkpointing_fits_torchtitan_8b():
+    # torchtitan's Llama 3.1 8B at local batch 2, seq 8192, op-level selective AC ran on its 95 GiB H100s (82.4 and
+    # 67.0 GiB published on 8 and 128 GPUs); the planner fits both and keeps their 15.4 GiB difference within 2 GiB
+    # (it is ZeRO-3's 16Ψ(1/8 − 1/128) = 14.0 GiB of states). Its absolute figure is ~17 GiB lower: the allocator's
+    # reserve and the loss's temporaries are not modelled.
+    from meshkit.plugins.planner import calibration as cal
+
+    rows = [r for r in cal.PUBLISHED if r.name.startswith("torchtitan-8b")]
+    lays = [cal.evaluate_run(r) for r in rows]
+    assert all(lay.feasible and lay.activation_checkpointing == "selective" for lay in lays)
+    published = rows[0].published_memory_gib - rows[1].published_memory_gib
+    assert lays[0].memory_gb - lays[1].memory_gb == pytest.approx(published, abs=2.0)
+    # per layer: the block input, wq / wv / attention / w1 / w2 outputs: 2·sbh·(4 + kv/a + f/h), by hand
+    s, b, h = 8192, 2, 4096
+    assert pl.activation_bytes_per_layer(s, b, h, 32, 1, attention_scores=False, checkpointing="selective",
+                                         ffn=14336, kv_heads=8) == 2 * s * b * h * (4 + 8 / 32 + 14336 / h)
+    # recompute: wk, wo, w3 forward (every second matmul), 2·(h·kv·d + a·d·h + h·f) FLOP per token per layer
+    assert cal.LLAMA31_8B.op_sac_recompute_params == 32 * (4096 * 1024 + 4096 * 4096 + 4096 * 14336)
+
+
+def test_tp_overlap_hides_at_most_the_compute():
+    assert pl.exposed_tp_time(2.0, 10.0, 0.5) == 1.0
+    assert pl.exposed_tp_time(2.0, 0.4, 1.0) == pytest.approx(1.6)
+    with pytest.raises(ValueError, match="tp_overlap=-0.1"):
+        plan(LLAMA3_70B, seq_len=4096, global_batch=256, nodes=8, tp_overlap=-0.1, layout="tp=8,pp=8", search=False)
+    # the step's TP term is the exposed share of the byte-count time
+    kw = dict(seq_len=4096, global_batch=256, nodes=8, layout="pp=8,tp=8,schedule=1f1b,ac=none", search=False,
+              **{**H100, "tp_overlap": 0.0})
+    full = plan(LLAMA3_70B, **kw).named
+    half = plan(LLAMA3_70B, **{**kw, "tp_overlap": 0.5}).named
+    assert half.losses_s["tp"] == pytest.approx(full.losses_s["tp"] / 2)
+    assert half.step_time_s == pytest.approx(full.step_time_s - full.losses_s["tp"] / 2)
+
+
+def test_interleaved_inflight_never_exceeds_the_microbatches():
+    # Megatron's interleaved warm-up on the first rank is 2(p−1) + (v−1)p chunks; at m = p it covers all m·v, so every
+    # forward runs first and the rank holds all m micro-batches, not p + (p−1)/v of them.
+    assert pl.inflight_microbatches("interleaved_1f1b", 16, 16, 4) == 16
+    assert pl.inflight_microbatches("interleaved_1f1b", 4, 16, 2) == 5.5
 
 
 def test_calibration_vs_best_of_a_published_layout():
@@ -763,3 +831,7 @@ def test_calibration_vs_best_of_a_published_layout():
     row = next(r for r in cal.PUBLISHED if r.name == "megatron-314b")
     lay = cal.evaluate_run(row, rank=True)
     assert lay.rank >= 1 and 1.0 <= lay.vs_best <= 1.10
+    # the seed's 70B TP8 × PP8 1F1B on 64 GPUs (the cheap row to rank): 1.104, a hair over the 1.10 goal, all of it
+    # the exposed half of tp = 8's traffic (benchmarks/planner_calibration.py ranks every row: 11 of 13 within 1.10)
+    seed = cal.evaluate_run(next(r for r in cal.PUBLISHED if r.name == "seed-70b-64gpu"), rank=True)
+    assert seed.vs_best == pytest.approx(1.104, abs=0.005)

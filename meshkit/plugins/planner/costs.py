@@ -38,6 +38,7 @@ __all__ = [
     "cp_bytes_per_layer",
     "dp_bytes_per_step",
     "ring_time",
+    "exposed_tp_time",
     "dp_overlap_tokens",
     "DEFAULT_RIDGE",
     "roofline_efficiency",
@@ -66,12 +67,18 @@ class Calibration:
     attention_fraction: float = 1.0
     """Fused attention's (FlashAttention's) large-shape rate as a share of the matmuls' (its softmax and
     masking run on the non-tensor-core units)."""
+    tp_overlap: float = 0.0
+    """Share of the TP collectives hidden behind the GEMMs they feed or follow (Megatron-LM's TP communication
+    overlap, torch's async TP), in [0, 1]: 0 all exposed, 1 all hidden. Never more than the compute it hides
+    behind (:func:`exposed_tp_time`)."""
 
 
-CALIBRATION = Calibration(achieved_fraction=0.63, ridge_scale=0.1, comm_efficiency=1.0, attention_fraction=0.3)
+CALIBRATION = Calibration(achieved_fraction=0.60, ridge_scale=0.1, comm_efficiency=0.8, attention_fraction=0.3,
+                          tp_overlap=0.5)
 """The constants plan() uses by default: :func:`meshkit.plugins.planner.calibration.fit` on the calibration
 table's fit rows (Megatron-LM's H100 weak-scaling 1.7B, 16B, 70B, 177B, 462B; torchtitan's Llama 3.1 8B on 8
-H100). The attention fraction also absorbs the work the FLOP count does not see (norms, RoPE, softmax,
+H100). Half the TP traffic hidden (``tp_overlap`` 0.5) is what Megatron-LM's rows need at tp = 8 with full link
+bandwidth counted at 0.8 of the datasheet (NCCL's bus bandwidth on NVLink 4 is ~360 of 450 GB/s). The attention fraction also absorbs the work the FLOP count does not see (norms, RoPE, softmax,
 elementwise), which, like attention, weighs most on small hidden sizes and long sequences."""
 
 
@@ -137,7 +144,8 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     """Micro-batches whose activations the busiest (first) stage holds at once, in units of one stage's layers.
 
     GPipe (Huang et al. 2019): all m. 1F1B (Narayanan et al. 2021 §2.2): p − s on stage s, so p on the first.
-    Interleaved 1F1B with v chunks per stage: p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3).
+    Interleaved 1F1B with v chunks per stage: p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3), at most m
+    (with m = p the first rank's warm-up, 2(p−1) + (v−1)·p chunks, covers all m·v: every forward runs first).
     Zero bubble ZB-H1 (Qi et al. 2023 §3): the same peak as 1F1B. No pipeline: one micro-batch.
 
     >>> inflight_microbatches("1f1b", 4, 16), inflight_microbatches("interleaved", 4, 16, 2)
@@ -150,8 +158,8 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
         return microbatches
     if name in ("1f1b", "interleaved_zero_bubble"):
         return min(pp, microbatches)
-    if name == "interleaved_1f1b":
-        return pp * (1 + (pp - 1) / (pp * virtual_stages))
+    if name == "interleaved_1f1b":  # never more than all m micro-batches (warm-up ≥ m·v chunks: all forwards first)
+        return min(microbatches, pp * (1 + (pp - 1) / (pp * virtual_stages)))
     raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 
@@ -314,6 +322,19 @@ def ring_time(size_bytes: float, steps: int, bandwidth: float, latency: float) -
     0.01007
     """
     return steps * latency + size_bytes / bandwidth
+
+
+def exposed_tp_time(tp_time: float, compute: float, overlap: float) -> float:
+    """Seconds of TP communication left on the critical path: a share ``overlap`` of it hides behind the GEMMs
+    (Megatron-LM's ``--tp-comm-overlap``, torch's async TP: the all-gather / reduce-scatter of one chunk runs while
+    the previous chunk multiplies), but never more than the ``compute`` it hides behind.
+
+    ``overlap`` is in [0, 1]; :func:`~meshkit.plugins.planner.plan` checks it once (this runs per layout).
+
+    >>> exposed_tp_time(1.0, 10.0, 0.75), exposed_tp_time(1.0, 0.5, 1.0)
+    (0.25, 0.5)
+    """
+    return tp_time - min(overlap * tp_time, compute)
 
 
 def dp_overlap_tokens(achieved_flops: float, bandwidth: float) -> float:

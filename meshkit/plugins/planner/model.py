@@ -146,6 +146,15 @@ class ModelSpec:
         return self.layers * self.layer_params + self._embedding_params() * self._scale
 
     @property
+    def op_sac_recompute_params(self) -> float:
+        """Parameters of the matmuls torchtitan's op-level selective checkpointing recomputes in backward: its policy
+        saves the output of every odd-numbered matmul of a block (and of attention), so of wq, wk, wv, wo, w1, w3, w2
+        it re-runs wk, wo and w3 (torchtitan ``activation_checkpoint.py``: "except every second mm")."""
+        hd = self.head_dim
+        per_layer = self.hidden * self.kv_heads * hd + self.heads * hd * self.hidden + self.hidden * self.ffn
+        return self.layers * per_layer * self._scale
+
+    @property
     def matmul_params(self) -> float:
         """Parameters used in matmuls: all but the input embedding lookup (the output projection counts)."""
         return self.layers * self.layer_params + self.vocab_params
@@ -214,7 +223,8 @@ def zero3_buffer_bytes(layer_params: float, param_bytes: float = 2.0, grad_bytes
 
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
                                sequence_parallel: bool = False, attention_scores: bool = True,
-                               checkpointing: str = "none", ffn: int | None = None) -> float:
+                               checkpointing: str = "none", ffn: int | None = None,
+                               kv_heads: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
@@ -225,18 +235,38 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     layer input, 2·s·b·h (÷ t with sequence parallelism).
     The paper's 24/t is 8 (attention) + 16 (a 4h GELU MLP's two 4h outputs); a SwiGLU MLP of width
     ``ffn`` = f stores three f-wide outputs (w1, w3, their product), so with ``ffn`` given 24 becomes
-    8 + 6·f/h (the same 24 at Llama's f = 8h/3; 27.5 at Llama-3-405B's f = 3.25h).
+    8 + 6·f/h (the same 24 at Llama's f = 8h/3; 27.5 at Llama-3-405B's f = 3.25h). The attention's 8 is Q, K
+    (2 + 2), V (2) and the output projection's input (2); with grouped-query attention (``kv_heads`` = kv < a)
+    K and V are kv/a as wide, so it is 4 + 4·kv/a (4.5 for Llama 3 70B's 8 of 64 heads, 4.25 for 405B's 8 of 128).
+
+    With FlashAttention (``attention_scores=False``) Korthikanti's selective recomputation saves nothing more, so
+    ``checkpointing="selective"`` is then torchtitan's op-level selective AC (its default for Llama 3.1 8B): it keeps
+    the block input and the outputs of attention and of every odd-numbered matmul (wq, wv, w1, w2) and recomputes
+    the rest (wk, wo, w3, norms, SwiGLU, RoPE). Per layer: without TP 2·sbh·(4 + kv/a + f/h); with TP and SP
+    the row-parallel w2's full-width partial sum 2·sbh plus 2·sbh·(5 + kv/a + f/h)/t (input, Q, V, attention out, w1 out and both reduce-scatter outputs, sharded);
+    with TP and no SP the whole input and w2 output 4·sbh plus 2·sbh·(2 + kv/a + f/h)/t.
 
     >>> activation_bytes_per_layer(2048, 1, 12288, 96, 8) / 2**20   # GPT-3 175B, t=8: 23·s·b·h
     552.0
+    >>> activation_bytes_per_layer(8192, 2, 4096, 32, 1, attention_scores=False, checkpointing="selective",
+    ...                            ffn=14336, kv_heads=8) / (8192 * 2 * 4096)   # Llama 3.1 8B: 2·(4 + 1/4 + 3.5)
+    15.5
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(
             f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
     sbh = float(seq) * micro_batch * hidden
-    sharded = 24.0 if ffn is None else 8.0 + 6.0 * ffn / hidden
+    kv = (heads if kv_heads is None else kv_heads) / heads
+    sharded = 4.0 + 4.0 * kv + (16.0 if ffn is None else 6.0 * ffn / hidden)
     if checkpointing == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)
+    if checkpointing == "selective" and not attention_scores:  # torchtitan's op-level SAC (see above)
+        f = (4.0 * hidden if ffn is None else ffn) / hidden
+        if tp == 1:
+            return 2 * sbh * (4 + kv + f)
+        if sequence_parallel:
+            return 2 * sbh * (1 + (5 + kv + f) / tp)
+        return 2 * sbh * (2 + (2 + kv + f) / tp)
     scores = 5 * heads * seq / (hidden * tp) if attention_scores and checkpointing == "none" else 0.0
     if sequence_parallel:
         return sbh * ((10 + sharded) / tp + scores)

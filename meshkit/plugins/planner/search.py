@@ -37,6 +37,7 @@ from meshkit.plugins.planner.costs import (
     cp_bytes_per_layer,
     dp_bytes_per_step,
     dp_overlap_tokens,
+    exposed_tp_time,
     gpu_spec,
     inflight_microbatches,
     matmul_efficiency,
@@ -227,6 +228,7 @@ class _Ctx:
     achieved: float
     ridge: float  # FLOP/byte, roofline_efficiency's ridge point; 0: no kernel-shape model
     attention_rate: float  # fused attention's large-shape rate as a share of the matmuls'
+    tp_overlap: float  # share of the TP collectives hidden behind the GEMMs (exposed_tp_time)
     optimizer_bytes: float
     zero_stages: tuple[int, ...]
     schedules: tuple[str, ...]
@@ -278,8 +280,10 @@ class _Compute:
         per_gpu = ctx.batch * s / ctx.world / ctx.achieved  # seconds per (FLOP per token) at full efficiency
         attn = mdl.layers * mdl.hidden * s  # the PaLM attention term per token is 12 of these
         # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
-        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5.
-        extra = {"none": (0.0, 0.0), "selective": (0.0, 4.0 * attn), "full": (2.0 * mdl.matmul_params, 4.0 * attn)}
+        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5. With FlashAttention selective is torchtitan's op-level
+        # SAC, which saves attention and every other matmul and re-runs wk, wo, w3 (activation_bytes_per_layer).
+        selective = (2.0 * mdl.op_sac_recompute_params, 0.0) if ctx.flash else (0.0, 4.0 * attn)
+        extra = {"none": (0.0, 0.0), "selective": selective, "full": (2.0 * mdl.matmul_params, 4.0 * attn)}
         model = (6.0 * mdl.matmul_params / mm_eff + 12.0 * attn / at_eff) * per_gpu
         ideal = (6.0 * mdl.matmul_params + 12.0 * attn) * per_gpu
         recompute = {ac: (mm / mm_eff + at / at_eff) * per_gpu for ac, (mm, at) in extra.items()}
@@ -356,16 +360,20 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     params_gpu = (layers_stage * ctx.layer_params + vocab_mats * ctx.vocab_params) / t
     sp = ctx.sp and t > 1
     per_layer = {ac: activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                                attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn)
+                                                attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn,
+                                                kv_heads=mdl.kv_heads)
                  for ac in ctx.checkpointing}
     working = dict.fromkeys(ctx.checkpointing, 0.0)
-    if "full" in working:  # the layer being recomputed holds its full activations once
-        working["full"] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                                     attention_scores=not ctx.flash, ffn=mdl.ffn)
+    # the layer being recomputed holds its full activations once (full, and the op-level selective AC)
+    for ac in ("full", "selective") if ctx.flash else ("full",):
+        if ac in working:
+            working[ac] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
+                                                     attention_scores=False, ffn=mdl.ffn, kv_heads=mdl.kv_heads)
     logits = 8.0 * s_local * b * mdl.vocab / t  # fp32 logits and their gradient for the micro-batch in the loss
 
     # ---- communication that does not depend on the variant ----
-    # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch, not overlapped.
+    # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch; a share
+    # ctx.tp_overlap of them hides behind the GEMMs (exposed_tp_time, in the variant loop).
     tp_link = ctx.link(t)
     tp_time = {ac: ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full") * layers_stage * m,
                              (6 if ac == "full" else 4) * layers_stage * m * 2 * (t - 1), *tp_link)
@@ -400,6 +408,7 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
             ("interleaved_1f1b", v) for v in ctx.virtual_stages
             if "interleaved_1f1b" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
+    checkpointing = sorted(ctx.checkpointing, key=CHECKPOINTING.index)  # lightest first (see the loop)
 
     out: list[Layout] = []
     for z in zeros:
@@ -419,14 +428,17 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
             pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
                 if p > 1 else 0.0
             pp_ratio = pp_comm_ratio(p, mdl.hidden, mdl.layers, rate, pp_link[0], v)
-            for ac in ctx.checkpointing:
+            # lightest checkpointing first; once one fits, the heavier ones only add recompute (never faster,
+            # and recompute costs more than the tie band), so they are not evaluated: 1.5x fewer layouts
+            for ac in checkpointing:
                 acts = per_layer[ac] * layers_stage * inflight + working[ac] + logits
                 memory = states + acts
                 compute = times.compute[ac]
                 bubble_time = compute * bubble / (1 - bubble)
                 # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3).
                 dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
-                step = compute + bubble_time + tp_time[ac] + pp_time + cp_exposed + dp_exposed
+                tp_exposed = exposed_tp_time(tp_time[ac], compute, ctx.tp_overlap)
+                step = compute + bubble_time + tp_exposed + pp_time + cp_exposed + dp_exposed
                 out.append(Layout(
                     r, d, p, c, t, z, sched, m, ac, v,
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
@@ -436,9 +448,11 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
                     matmul_efficiency=times.matmul_eff,
                     attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
                     predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
-                    losses=(bubble_time, tp_time[ac], pp_time, cp_exposed, dp_exposed, times.recompute[ac],
+                    losses=(bubble_time, tp_exposed, pp_time, cp_exposed, dp_exposed, times.recompute[ac],
                             times.kernels),
                 ))
+                if memory <= ctx.memory:
+                    break
     return out
 
 
@@ -588,7 +602,7 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
          dtype: str = "bf16", max_pp: int | None = None, max_cp: int | None = None,
          max_tp: int | None = None, roofline_ridge: float | None = None, ridge_scale: float | None = None,
          comm_efficiency: float | None = None, attention_fraction: float | None = None,
-         layout: str | Mapping[str, Any] | None = None,
+         tp_overlap: float | None = None, layout: str | Mapping[str, Any] | None = None,
          search: bool = True) -> Plan:
     """Enumerate every layout of ``nodes × gpus_per_node`` GPUs for ``model`` and rank them.
 
@@ -601,8 +615,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     :func:`attention_efficiency`) at the ridge ``ridge_scale`` × ``roofline_ridge`` (FLOP/byte; default the
     dense peak over the GPU's memory bandwidth, 295 on an H100 SXM, :data:`DEFAULT_RIDGE` for a device outside
     the table; 0 turns the shape model off); fused attention at ``attention_fraction`` of the matmuls' rate.
-    Collectives run at ``comm_efficiency`` of the link bandwidths.
-    ``achieved_fraction``, ``ridge_scale``, ``attention_fraction`` and ``comm_efficiency`` default to :data:`CALIBRATION`, fitted to
+    Collectives run at ``comm_efficiency`` of the link bandwidths; a share ``tp_overlap`` of the TP collectives
+    hides behind the GEMMs (:func:`exposed_tp_time`).
+    ``achieved_fraction``, ``ridge_scale``, ``attention_fraction``, ``comm_efficiency`` and ``tp_overlap`` default to :data:`CALIBRATION`, fitted to
     published runs. ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
     ``flash_attention`` drops the s×s score term from the activations (FlashAttention / SDPA never
@@ -641,6 +656,10 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     ridge_scale = CALIBRATION.ridge_scale if ridge_scale is None else ridge_scale
     comm_efficiency = CALIBRATION.comm_efficiency if comm_efficiency is None else comm_efficiency
     attention_fraction = CALIBRATION.attention_fraction if attention_fraction is None else attention_fraction
+    tp_overlap = CALIBRATION.tp_overlap if tp_overlap is None else tp_overlap
+    if not 0 <= tp_overlap <= 1:
+        raise ValueError(f"plan: `tp_overlap={tp_overlap}` must be in [0, 1] (the share of TP traffic hidden behind "
+                         "the GEMMs; 0: all exposed).")
     for name, value in (("achieved_fraction", achieved_fraction), ("comm_efficiency", comm_efficiency),
                         ("attention_fraction", attention_fraction)):
         if not 0 < value <= 1:
@@ -673,13 +692,13 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         roofline_ridge = peak / (spec.hbm_bw_gbs * 1e9) if spec is not None else DEFAULT_RIDGE
     if not roofline_ridge >= 0:
         raise ValueError(f"plan: `roofline_ridge={roofline_ridge}` must be >= 0 FLOP/byte (0: no kernel-shape model).")
-    auto_ac = ("none", "full") if flash_attention else CHECKPOINTING
+    auto_ac = CHECKPOINTING
     world = nodes * gpus_per_node
     ctx = _Ctx(
         model=mdl, seq=seq_len, batch=global_batch, micro=micro_batch, gpn=gpus_per_node, world=world,
         memory=mem * GiB * (1 - memory_margin), intra=(intra * 1e9 * comm_efficiency, intra_latency_us * 1e-6),
         inter=(inter * 1e9 * comm_efficiency, inter_latency_us * 1e-6), peak=peak, achieved=achieved,
-        ridge=float(roofline_ridge) * ridge_scale, attention_rate=attention_fraction,
+        ridge=float(roofline_ridge) * ridge_scale, attention_rate=attention_fraction, tp_overlap=tp_overlap,
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
         schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
@@ -703,7 +722,7 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
               "memory_gb": mem, "memory_margin": memory_margin, "intra_bw_gbs": intra, "inter_bw_gbs": inter,
               "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
               "ridge_scale": ridge_scale, "comm_efficiency": comm_efficiency,
-              "attention_fraction": attention_fraction, "optimizer_bytes": optimizer_bytes,
+              "attention_fraction": attention_fraction, "tp_overlap": tp_overlap, "optimizer_bytes": optimizer_bytes,
               "sequence_parallel": sequence_parallel, "ffn_derived": mdl.ffn_derived}
     result = Plan(layouts, rejected, inputs, removed, tie_break=tie_break)
     if named_fields is not None:
