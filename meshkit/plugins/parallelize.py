@@ -106,6 +106,7 @@ def parallelize(
             user_plan=config.tp_plan,
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
+            prefix=_prefix_of(module, target),  # the user's tp_plan names modules from `module`, at any pp
         )
         apply_tp(target, dims.mesh["tp"], plan)
     # 4. Context parallel: after TP (attention sees its local heads), before AC (recomputation is routed too).
@@ -125,6 +126,13 @@ def parallelize(
             reshard_after_forward=config.reshard_after_forward,
         )
     return module
+
+
+def _prefix_of(module: nn.Module, target: nn.Module) -> str:
+    """``target``'s FQN inside ``module`` plus a dot ("" when it is ``module``)."""
+    if target is module:
+        return ""
+    return next(f"{name}." for name, m in module.named_modules() if m is target)
 
 
 def apply_compile(blocks: list[tuple[str, nn.Module]]) -> None:

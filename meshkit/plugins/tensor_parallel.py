@@ -141,6 +141,7 @@ def infer_tp_plan(
     user_plan: dict[str, PlanEntry] | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    prefix: str = "",
 ) -> dict[str, ParallelStyle]:
     """Build a ``parallelize_module`` plan (module FQN -> style) for every projection, embedding and
     the parameters inside TP blocks; raises (before any collective) for what it cannot place.
@@ -149,7 +150,10 @@ def infer_tp_plan(
     module unsharded. ``sequence_parallel`` shards norms and the residual stream on the sequence dim
     (torchtitan-style models). ``loss_parallel`` leaves the LM head's logits sharded on the vocab dim
     (the loss must then run under ``torch.distributed.tensor.parallel.loss_parallel()``, which the
-    strategy does around ``training_step`` and ``backward``).
+    strategy does around ``training_step`` and ``backward``). ``prefix`` is ``model``'s FQN in the
+    module the user names (``"model."`` for a pipeline rank module inside a LightningModule):
+    ``user_plan`` patterns and error messages use ``prefix + name``, so one ``tp_plan`` works at any pp;
+    the returned plan's keys stay relative to ``model``.
 
     Example::
 
@@ -172,7 +176,7 @@ def infer_tp_plan(
         if not name:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        matched = [p for p in user_plan if fnmatch.fnmatchcase(name, p)]
+        matched = [p for p in user_plan if fnmatch.fnmatchcase(prefix + name, p)]
         if matched:
             style = _style(user_plan[matched[0]], matched[0])
             user_placed.add(name)
@@ -195,10 +199,10 @@ def infer_tp_plan(
         elif isinstance(module, nn.Linear) and leaf in ROWWISE:
             plan[name] = RowwiseParallel(output_layouts=seq)
         elif isinstance(module, nn.Linear):
-            unplaced.append(f"{name} ({module.in_features}->{module.out_features})")
+            unplaced.append(f"{prefix}{name} ({module.in_features}->{module.out_features})")
         elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
             # transformers' GPT-2 projection: a Linear with a transposed (in, out) weight.
-            unplaced.append(f"{name} (Conv1D {module.weight.shape[0]}->{module.weight.shape[1]})")
+            unplaced.append(f"{prefix}{name} (Conv1D {module.weight.shape[0]}->{module.weight.shape[1]})")
         elif sequence_parallel and type(module).__name__.endswith(_NORM_TYPES):
             plan[name] = SequenceParallel()
     if unplaced:

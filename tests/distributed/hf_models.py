@@ -35,7 +35,8 @@ _COMMON = dict(
 )
 
 
-def _config(family: str) -> Any:
+def _config(family: str, overrides: dict | None = None) -> Any:
+    """The family's tiny config; ``overrides`` sets config attributes (e.g. the fix a refusal names)."""
     import transformers as tf
 
     configs: dict[str, Callable[[], Any]] = {
@@ -51,6 +52,8 @@ def _config(family: str) -> Any:
     }
     config = configs[family]()
     config._attn_implementation = "sdpa"
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
@@ -73,12 +76,12 @@ class CausalLM(_lightning_base()):  # type: ignore[misc]
     ``model(input_ids=ids, labels=ids).loss``, on the token tensor or (under cp) the dict's ``input_ids``.
     """
 
-    def __init__(self, family: str, lr: float = LR, loss_form: str = "ce") -> None:
+    def __init__(self, family: str, lr: float = LR, loss_form: str = "ce", overrides: dict | None = None) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.lr, self.loss_form = lr, loss_form
-        self.model = AutoModelForCausalLM.from_config(_config(family))
+        self.model = AutoModelForCausalLM.from_config(_config(family, overrides))
 
     def loss(self, batch: Any) -> torch.Tensor:
         if self.loss_form == "hf_labels":
@@ -95,16 +98,16 @@ class CausalLM(_lightning_base()):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def build(family: str, seed: int = 0, loss_form: str = "ce") -> CausalLM:
+def build(family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None) -> CausalLM:
     torch.manual_seed(seed)
-    return CausalLM(family, loss_form=loss_form).to(FAMILY_DTYPE.get(family, torch.float32))
+    return CausalLM(family, loss_form=loss_form, overrides=overrides).to(FAMILY_DTYPE.get(family, torch.float32))
 
 
 def reference(
-    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce"
+    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce", overrides: dict | None = None
 ) -> tuple[list[float], dict, dict]:
     """One process, each step's global batch: (losses, initial parameters, final parameters)."""
-    module = build(family, loss_form=loss_form)
+    module = build(family, loss_form=loss_form, overrides=overrides)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = module.configure_optimizers()
     data = T.tokens(steps * T.PER_RANK_BATCH * world)
@@ -137,15 +140,19 @@ def _tp_replica_spread(module: torch.nn.Module, tp_mesh: Any) -> dict[str, float
     return out
 
 
-def fit(rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce") -> dict[str, Any]:
-    """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread."""
+def fit(
+    rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce", overrides: dict | None = None
+) -> dict[str, Any]:
+    """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread.
+
+    Under pp each rank returns the parameters of its own stages (merge them with :func:`merged_params`)."""
     import lightning as L
     from torch.utils.data import DataLoader
 
     import meshkit
 
     T.launcher_env(rank, world)
-    module = build(family, loss_form=loss_form)
+    module = build(family, loss_form=loss_form, overrides=overrides)
     recorder = T.LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(**strategy), max_steps=steps,
@@ -181,6 +188,14 @@ def suggested_plan(error: str) -> dict[str, str]:
     found = re.search(r"tp_plan=(\{[^}]*\})\)", error)
     assert found, error
     return ast.literal_eval(found.group(1))
+
+
+def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every rank's parameters in one dict (pp ranks hold different stages; others hold them all)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r["params"])
+    return out
 
 
 def update_errors(got: dict, init: dict, want: dict) -> dict[str, float]:
