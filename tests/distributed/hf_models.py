@@ -72,8 +72,10 @@ def _lightning_base() -> type:
 class CausalLM(_lightning_base()):  # type: ignore[misc]
     """A plain LightningModule around ``AutoModelForCausalLM`` with SGD.
 
-    ``loss_form="ce"``: tensor batches, CE by hand. ``"hf_labels"``: the transformers idiom
+    ``loss_form`` (see :data:`LOSS_FORMS`): ``"ce"``: CE by hand on ``batch[:, :-1]`` / ``batch[:, 1:]`` (under cp
+    on the dict's ``input_ids`` / ``labels``). ``"hf_labels"``: the transformers idiom
     ``model(input_ids=ids, labels=ids).loss``, on the token tensor or (under cp) the dict's ``input_ids``.
+    ``"hf_ids"``: the DataLoader yields ``{"input_ids": (B, T)}`` dicts and the loss is that idiom on them.
     """
 
     def __init__(self, family: str, lr: float = LR, loss_form: str = "ce", overrides: dict | None = None) -> None:
@@ -84,18 +86,40 @@ class CausalLM(_lightning_base()):  # type: ignore[misc]
         self.model = AutoModelForCausalLM.from_config(_config(family, overrides))
 
     def loss(self, batch: Any) -> torch.Tensor:
-        if self.loss_form == "hf_labels":
+        if self.loss_form in ("hf_labels", "hf_ids"):
             ids = batch["input_ids"] if isinstance(batch, dict) else batch
             return self.model(input_ids=ids, labels=ids).loss
-        logits = self.model(input_ids=batch[:, :-1]).logits
+        ids, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else (batch[:, :-1], batch[:, 1:])
+        logits = self.model(input_ids=ids).logits
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.loss(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+LOSS_FORMS = ("ce", "hf_labels", "hf_ids")
+
+
+class IdsDicts(torch.utils.data.Dataset):
+    """``{"input_ids": row[:SEQ]}`` per token row: what an HF collator without labels yields."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i, : T.SEQ]}
+
+
+def dataset(rows: torch.Tensor, loss_form: str) -> Any:
+    """The rows as the DataLoader of ``loss_form`` sees them (token rows, or ids-only dicts)."""
+    return IdsDicts(rows) if loss_form == "hf_ids" else rows
 
 
 def build(family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None) -> CausalLM:
@@ -114,7 +138,7 @@ def reference(
     losses = []
     for idx in T.step_batches(len(data), dp, steps):
         opt.zero_grad()
-        loss = module.loss(data[idx])
+        loss = module.loss({"input_ids": data[idx, : T.SEQ]} if loss_form == "hf_ids" else data[idx])
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -159,7 +183,8 @@ def fit(
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder],
     )
-    trainer.fit(module, DataLoader(T.tokens(steps * T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+    rows = T.tokens(steps * T.PER_RANK_BATCH * world)
+    trainer.fit(module, DataLoader(dataset(rows, loss_form), batch_size=T.PER_RANK_BATCH))
     dims = trainer.strategy.parallel_dims
     dp = dims.submesh("dp")
     return {

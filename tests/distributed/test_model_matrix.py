@@ -9,6 +9,8 @@ plan and checks it too ("refused with a tested fix").
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -94,11 +96,47 @@ def test_family_tp_pp_matches_one_process(pool, family):
     _check_matches_one_process(family, results, overrides=overrides, cell="tp_pp")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_cp_hf_labels_idiom_matches_one_process(pool, family):
-    # `labels=batch["input_ids"]` on the cp dict batch: meshkit passes the shifted labels, HF must not shift the shard.
-    results = pool.run(H.fit, family, dict(dp_shard=2, cp=2, tp=1), STEPS, "hf_labels")
-    _check_matches_one_process(family, results, "hf_labels", cell="cp")
+CP_CELLS = [
+    ("llama", "hf_labels"),
+    ("qwen2", "hf_labels"),  # tied, q/k/v biases
+    ("qwen3", "ce"),  # per-head q/k norms; CE by hand on the dict's input_ids / labels
+    ("gemma", "hf_ids"),  # tied, scaled embedding; the DataLoader's dicts hold only input_ids
+    ("mistral", "hf_labels"),  # sliding_window (4096) passed to attention, wider than the sequence
+    ("olmo2", "hf_ids"),  # full-width q/k norms (float64)
+]
+"""cp=2 × dp_shard=2 cells: (family, loss form of hf_models.CausalLM)."""
+
+
+@pytest.mark.parametrize("family,loss_form", CP_CELLS, ids=[f"{f}-{form}" for f, form in CP_CELLS])
+def test_cp_matches_one_process(pool, family, loss_form):
+    # `labels=batch["input_ids"]` on the cp dict batch: meshkit passes the labels shifted over the whole sequence
+    # (HF must not shift the shard) and the cp group's mean target count (the ranks hold 7 and 8 per row for
+    # `{"input_ids"}` dicts of 16 tokens, since the last one has no target).
+    results = pool.run(H.fit, family, dict(dp_shard=2, cp=2, tp=1), STEPS, loss_form)
+    _check_matches_one_process(family, results, loss_form, cell=f"cp {loss_form}")
+
+
+def _cp_sliding_window(rank: int, world: int) -> str:
+    """Mistral with a window shorter than the sequence, under cp=2: the message every rank raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshkit.plugins.context_parallel import apply_context_parallel, shard_batch
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = H.build("mistral", overrides={"sliding_window": 8}).model
+    apply_context_parallel(model, mesh["cp"])
+    batch = shard_batch(T.tokens(2), mesh["cp"])  # 16 tokens per row, 8 on each rank
+    try:
+        model(input_ids=batch["input_ids"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_cp_refuses_a_sliding_window_shorter_than_the_sequence(pool):
+    for message in pool.run(_cp_sliding_window):
+        assert re.search(r"MistralAttention attends within `sliding_window=8` tokens, but the sequences are 16 long"
+                         r".*config.sliding_window=None", message), message
 
 
 def test_cp_batch_used_as_a_tensor_explains_itself():
@@ -153,3 +191,30 @@ def test_pp_warns_when_training_step_loss_is_dropped():
         warnings.simplefilter("error")
         _warn_user_loss_dropped(WithPipelineLoss())
         _warn_user_loss_dropped(LlamaLM(LlamaConfig.tiny()))  # meshkit's own module computes the default loss
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("mistral", {"sliding_window": 4}),  # every layer sliding
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+               "layer_types": ["full_attention", "sliding_attention"]}),  # one of each
+])
+def test_pp_stage_forward_builds_each_layers_mask(family, overrides):
+    # One process: a single stage holding every block runs the stage forward; it must equal the model's forward.
+    from meshkit.plugins.pipeline import find_layer_stack
+    from meshkit.plugins.pipeline.split import build_stage_module
+
+    model = H.build(family, overrides={**UNTIED, **overrides}).model.eval()
+    ids = T.tokens(2)[:, : T.SEQ]
+    stage = build_stage_module(model, find_layer_stack(model), 0, 1, [])
+    with torch.no_grad():
+        want, got = model(input_ids=ids).logits, stage(ids)
+        full = H.build(family, overrides=UNTIED).model.eval()(input_ids=ids).logits  # same seed, no window
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (full - want).abs().max() > 1e-2  # the window matters at 16 tokens: a causal mask would differ
+
+
+def test_cp_dict_without_labels_explains_the_missing_key():
+    from meshkit.plugins.context_parallel import CPBatch
+
+    with pytest.raises(KeyError, match=r"no 'labels'.*\['input_ids'\].*labels=batch\['input_ids'\]"):
+        CPBatch({"input_ids": torch.zeros(2, 8), "positions": torch.zeros(2, 8)})["labels"]
