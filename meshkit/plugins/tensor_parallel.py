@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshkit.modelspec import read_shape
 
-__all__ = ["infer_tp_plan", "apply_tp", "model_shape", "PlanEntry", "LocalShardNorm"]
+__all__ = ["infer_tp_plan", "apply_tp", "model_shape", "PlanEntry", "LocalShardNorm", "quiet_local_logits_warning"]
 
 PlanEntry = Union[str, ParallelStyle]
 
@@ -337,3 +337,39 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
                 )
             setattr(model.get_submodule(mod), name, param)
     return model
+
+
+def quiet_local_logits_warning(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
+    """Silence FSDP2's "returned a view tensor" warning for the units whose output is the LM head's logits.
+
+    ``ColwiseParallel(use_local_output=True)`` hands back ``DTensor.to_local()``, which is a view made by a
+    custom autograd Function (torch 2.4-2.13 checked). FSDP2 warns on every rank, every step, that an in-place
+    op on a returned view would silently drop its pre-backward hook; for this view that cannot happen:
+    autograd refuses in-place ops on views made by custom Functions with a RuntimeError. A copy would cost one
+    more (B, T, vocab) buffer per step, so the message is silenced instead, for exactly those FSDP units
+    (``FSDP<class>`` of every module on the path to the head, which are what return the logits). Call after
+    ``apply_tp``; returns the class names silenced.
+
+    Example::
+
+        >>> quiet_local_logits_warning(lightning_module, plan)  # doctest: +SKIP
+        ['FSDPCausalLM', 'FSDPLlamaForCausalLM']
+    """
+    import warnings
+
+    heads = [
+        n for n, style in plan.items()
+        if n.rsplit(".", 1)[-1] in LM_HEADS and isinstance(style, ColwiseParallel) and style.use_local_output
+    ]
+    names: set[str] = set()
+    for head in heads:
+        parts = head.split(".")
+        for i in range(len(parts)):
+            name = type(model.get_submodule(".".join(parts[:i]))).__name__
+            names.add(name if name.startswith("FSDP") else f"FSDP{name}")
+    for name in sorted(names):
+        warnings.filterwarnings(
+            "ignore", category=UserWarning,
+            message=rf"FSDP2-wrapped module \((?:[^)]*, )?{re.escape(name)}(?:, [^)]*)?\) returned a view tensor",
+        )
+    return sorted(names)
