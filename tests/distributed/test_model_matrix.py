@@ -232,7 +232,7 @@ def _view_warnings(rank: int, world: int, quiet: bool) -> list[str]:
         P.quiet_local_logits_warning = lambda *a: []
     try:
         with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
+            warnings.simplefilter("default")  # each warning once per place: enough, and cheap
             T.fit(rank, world, meshkit.NDParallelStrategy(dp_shard=2, tp=2), devices=world, steps=2)
     finally:
         P.quiet_local_logits_warning = original
@@ -243,3 +243,52 @@ def test_tp_logits_view_warning_is_silenced_exactly(pool):
     # The LM head's to_local() logits are a view FSDP2 warns about on every rank; in-place ops on it raise instead.
     assert all(any("(FSDPTransformer) returned a view tensor" in m for m in r) for r in pool.run(_view_warnings, False))
     assert pool.run(_view_warnings, True) == [[]] * 4
+
+
+def _tied_trainer(rank: int, world: int, **kwargs):
+    import lightning as L
+
+    import meshkit
+
+    T.launcher_env(rank, world)
+    return L.Trainer(
+        accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(dp_shard=2, tp=2), logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=2, **kwargs,
+    )
+
+
+def _save_tied(rank: int, world: int, path: str) -> dict:
+    """2 hsdp_tp steps of tied Qwen2, saved as a DCP folder; the full parameters."""
+    from torch.utils.data import DataLoader
+
+    module = H.build("qwen2")
+    trainer = _tied_trainer(rank, world)
+    trainer.fit(module, DataLoader(T.tokens(2 * T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+    trainer.save_checkpoint(path)
+    return T.full_params(module)
+
+
+def _load_tied(rank: int, world: int, path: str, overrides: dict | None) -> dict:
+    """Qwen2 (tied, or untied by ``overrides``) from another seed, restored from ``path`` (max_steps reached)."""
+    from torch.utils.data import DataLoader
+
+    module = H.build("qwen2", seed=1, overrides=overrides)
+    _tied_trainer(rank, world).fit(module, DataLoader(T.tokens(16), batch_size=T.PER_RANK_BATCH), ckpt_path=path)
+    return {"params": T.full_params(module), "tied": H._tied_names(module)}
+
+
+def test_tied_checkpoint_has_one_fqn_and_loads_tied_or_untied(pool, tmp_path_factory):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = str(tmp_path_factory.mktemp("tied") / "tied.ckpt")
+    saved = pool.run(_save_tied, path)[0]
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    emb, head = "state_dict.model.model.embed_tokens.weight", "state_dict.model.lm_head.weight"
+    assert emb in keys and head not in keys  # one FQN for the tied weight, as transformers saves it
+    tied = pool.run(_load_tied, path, None)[0]
+    assert tied["tied"] == [("model.model.embed_tokens.weight", "model.lm_head.weight")]
+    T.assert_params_close(tied["params"], saved, rtol=0)
+    untied = pool.run(_load_tied, path, UNTIED)[0]
+    assert untied["tied"] == []  # the head is its own parameter, loaded with the saved embedding
+    want = {**saved, "model.lm_head.weight": saved["model.model.embed_tokens.weight"]}
+    T.assert_params_close(untied["params"], want, rtol=0)
