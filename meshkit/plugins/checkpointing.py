@@ -191,7 +191,7 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) ->
         partial.mkdir(parents=True)
     strategy.barrier()
     _at("partial_created", path)
-    state = {"state_dict": without_tied_aliases(checkpoint, strategy.lightning_module)}
+    state = {"state_dict": without_tied_aliases(checkpoint, getattr(strategy, "lightning_module", None))}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not dist.is_initialized())
     _at("shards_written", path)
@@ -394,9 +394,10 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def without_tied_aliases(checkpoint: dict[str, Any], module: nn.Module) -> dict[str, Any]:
-    """Pop ``checkpoint["state_dict"]`` less the tied aliases of ``module``; record them under :data:`TIED_WEIGHTS`."""
-    aliases = tied_aliases(module)
+def without_tied_aliases(checkpoint: dict[str, Any], module: Optional[nn.Module]) -> dict[str, Any]:
+    """Pop ``checkpoint["state_dict"]`` less the tied aliases of ``module`` (none without one); record them
+    under :data:`TIED_WEIGHTS`."""
+    aliases = tied_aliases(module) if module is not None else {}
     checkpoint[TIED_WEIGHTS] = aliases
     return {k: v for k, v in checkpoint.pop("state_dict").items() if k not in aliases}
 
