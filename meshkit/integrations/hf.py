@@ -67,16 +67,18 @@ def _attention_forward(self, *args, **kwargs):
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, *args, labels=None, **kwargs):
-    """*ForCausalLM.forward; with ``labels`` the loss is fused (HF's shift and ``num_items_in_batch`` rule)."""
+    """*ForCausalLM.forward; with ``labels`` the loss is fused (HF's shift, ``shift_labels`` and
+    ``num_items_in_batch`` rules)."""
     if labels is None or args:
         return type(self).forward(self, input_ids, attention_mask, position_ids, *args, labels=labels, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     num_items = kwargs.pop("num_items_in_batch", None)
+    shift = kwargs.pop("shift_labels", None)  # already shifted (e.g. by meshkit under cp): used as they are
     kwargs.pop("logits_to_keep", None)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = outputs.last_hidden_state
-    shift = F.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device)
+    shift = (F.pad(labels, (0, 1), value=-100)[..., 1:] if shift is None else shift).to(hidden.device)
     if num_items is None:
         loss = fused_lm_loss(self.lm_head, hidden, shift)
     else:

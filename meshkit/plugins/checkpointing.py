@@ -67,6 +67,10 @@ __all__ = [
     "load_checkpoint",
     "optimizer_state",
     "consolidate_checkpoint",
+    "tied_aliases",
+    "without_tied_aliases",
+    "tied_load_plan",
+    "TIED_WEIGHTS",
     "configure_parser",
     "run_cli",
 ]
@@ -187,7 +191,7 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) ->
         partial.mkdir(parents=True)
     strategy.barrier()
     _at("partial_created", path)
-    state = {"state_dict": checkpoint.pop("state_dict")}
+    state = {"state_dict": without_tied_aliases(checkpoint, getattr(strategy, "lightning_module", None))}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(partial, sync_files=True), no_dist=not dist.is_initialized())
     _at("shards_written", path)
@@ -350,17 +354,67 @@ def load_sharded_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dic
         log.warning(f"meshkit: checkpoint `{path}` has no `{MANIFEST}` (an older meshkit saved it): loading unverified.")
     module = strategy.model
     strict = strategy.lightning_module.strict_loading
-    model_state = {"state_dict": get_model_state_dict(module)}
-    check_fits(model_state["state_dict"], path, strict=strict, job_keys=_job_keys(model_state["state_dict"]))
-    _dcp_load(model_state, path, strict)
-    module.load_state_dict(model_state["state_dict"], strict=strict)
+    meta = _load_meta(path / _META, weights_only)
+    full = get_model_state_dict(module)
+    load, fill = tied_load_plan(full, module, meta.get(TIED_WEIGHTS, {}))
+    check_fits(load, path, strict=strict, job_keys=_job_keys(full))
+    _dcp_load({"state_dict": load}, path, strict)
+    for key, saved_as in fill.items():  # an untied model from a tied checkpoint: the head gets the embedding
+        _dcp_load({"state_dict": {saved_as: full[key]}}, path, strict)
+    module.load_state_dict(full, strict=strict)
     opts = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
     for idx, optimizer in enumerate(strategy.optimizers):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         optim_state = {f"optimizer_{idx}": flat_optimizer_state(module, optimizer)}
-        _dcp_load(optim_state, path, strict)
+        _dcp_load(optim_state, path, strict and not fill)  # a newly untied head has no saved optimizer state
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[f"optimizer_{idx}"], options=opts)
-    return _load_meta(path / _META, weights_only)
+    return meta
+
+
+# ---- tied weights: one FQN in the checkpoint, as in transformers' saved state dicts -------------------------
+TIED_WEIGHTS = "meshkit_tied_weights"
+"""The ``meta.pt`` entry ``{alias FQN: saved FQN}`` of the tied parameters a checkpoint stores once."""
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` FQNs of parameters used under several names (the first name is canonical).
+
+    Example::
+
+        >>> m = nn.ModuleDict({"emb": nn.Embedding(4, 2), "head": nn.Linear(2, 4, bias=False)})
+        >>> m["head"].weight = m["emb"].weight
+        >>> tied_aliases(m)
+        {'head.weight': 'emb.weight'}
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    return aliases
+
+
+def without_tied_aliases(checkpoint: dict[str, Any], module: Optional[nn.Module]) -> dict[str, Any]:
+    """Pop ``checkpoint["state_dict"]`` less the tied aliases of ``module`` (none without one); record them
+    under :data:`TIED_WEIGHTS`."""
+    aliases = tied_aliases(module) if module is not None else {}
+    checkpoint[TIED_WEIGHTS] = aliases
+    return {k: v for k, v in checkpoint.pop("state_dict").items() if k not in aliases}
+
+
+def tied_load_plan(
+    full: dict[str, Any], module: nn.Module, saved_aliases: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(entries to load by their own name, {model key: checkpoint key} to load from another entry)``.
+
+    A tied model loads its canonical entry only (the alias is the same parameter); an untied model
+    loads a tied checkpoint's alias (e.g. ``lm_head.weight``) from the entry it was saved as, as
+    transformers does when it unties a checkpoint.
+    """
+    aliases = tied_aliases(module)
+    load = {k: v for k, v in full.items() if k not in aliases and k not in saved_aliases}
+    fill = {k: saved_aliases[k] for k in full if k in saved_aliases and k not in aliases}
+    return load, fill
 
 
 def _load_meta(file: Path, weights_only: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins.activation_checkpoint import ACMode, apply_ac, check_ac_mode
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import apply_fsdp, apply_fsdp_stages, find_blocks, mixed_precision_policy
-from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan
+from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan, quiet_local_logits_warning
 
 __all__ = ["ParallelConfig", "parallelize", "apply_compile", "Split"]
 
@@ -106,8 +106,10 @@ def parallelize(
             user_plan=config.tp_plan,
             sequence_parallel=config.sequence_parallel,
             loss_parallel=config.loss_parallel,
+            prefix=_prefix_of(module, target),  # the user's tp_plan names modules from `module`, at any pp
         )
         apply_tp(target, dims.mesh["tp"], plan)
+        quiet_local_logits_warning(target, plan)  # FSDP2 warns of the logits view: harmless, see there
     # 4. Context parallel: after TP (attention sees its local heads), before AC (recomputation is routed too).
     if dims.cp_enabled:
         _cp.apply_context_parallel(target, dims.submesh("cp"), attention=config.cp_attention, layout=config.cp_layout)
@@ -125,6 +127,13 @@ def parallelize(
             reshard_after_forward=config.reshard_after_forward,
         )
     return module
+
+
+def _prefix_of(module: nn.Module, target: nn.Module) -> str:
+    """``target``'s FQN inside ``module`` plus a dot ("" when it is ``module``)."""
+    if target is module:
+        return ""
+    return next(f"{name}." for name, m in module.named_modules() if m is target)
 
 
 def apply_compile(blocks: list[tuple[str, nn.Module]]) -> None:

@@ -51,7 +51,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshkit.modelspec import read_shape
 
-__all__ = ["infer_tp_plan", "apply_tp", "model_shape", "PlanEntry", "LocalShardNorm"]
+__all__ = ["infer_tp_plan", "apply_tp", "model_shape", "PlanEntry", "LocalShardNorm", "quiet_local_logits_warning"]
 
 PlanEntry = Union[str, ParallelStyle]
 
@@ -141,6 +141,7 @@ def infer_tp_plan(
     user_plan: dict[str, PlanEntry] | None = None,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    prefix: str = "",
 ) -> dict[str, ParallelStyle]:
     """Build a ``parallelize_module`` plan (module FQN -> style) for every projection, embedding and
     the parameters inside TP blocks; raises (before any collective) for what it cannot place.
@@ -149,7 +150,10 @@ def infer_tp_plan(
     module unsharded. ``sequence_parallel`` shards norms and the residual stream on the sequence dim
     (torchtitan-style models). ``loss_parallel`` leaves the LM head's logits sharded on the vocab dim
     (the loss must then run under ``torch.distributed.tensor.parallel.loss_parallel()``, which the
-    strategy does around ``training_step`` and ``backward``).
+    strategy does around ``training_step`` and ``backward``). ``prefix`` is ``model``'s FQN in the
+    module the user names (``"model."`` for a pipeline rank module inside a LightningModule):
+    ``user_plan`` patterns and error messages use ``prefix + name``, so one ``tp_plan`` works at any pp;
+    the returned plan's keys stay relative to ``model``.
 
     Example::
 
@@ -172,7 +176,7 @@ def infer_tp_plan(
         if not name:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        matched = [p for p in user_plan if fnmatch.fnmatchcase(name, p)]
+        matched = [p for p in user_plan if fnmatch.fnmatchcase(prefix + name, p)]
         if matched:
             style = _style(user_plan[matched[0]], matched[0])
             user_placed.add(name)
@@ -195,10 +199,10 @@ def infer_tp_plan(
         elif isinstance(module, nn.Linear) and leaf in ROWWISE:
             plan[name] = RowwiseParallel(output_layouts=seq)
         elif isinstance(module, nn.Linear):
-            unplaced.append(f"{name} ({module.in_features}->{module.out_features})")
+            unplaced.append(f"{prefix}{name} ({module.in_features}->{module.out_features})")
         elif type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
             # transformers' GPT-2 projection: a Linear with a transposed (in, out) weight.
-            unplaced.append(f"{name} (Conv1D {module.weight.shape[0]}->{module.weight.shape[1]})")
+            unplaced.append(f"{prefix}{name} (Conv1D {module.weight.shape[0]}->{module.weight.shape[1]})")
         elif sequence_parallel and type(module).__name__.endswith(_NORM_TYPES):
             plan[name] = SequenceParallel()
     if unplaced:
@@ -333,3 +337,39 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyl
                 )
             setattr(model.get_submodule(mod), name, param)
     return model
+
+
+def quiet_local_logits_warning(model: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
+    """Silence FSDP2's "returned a view tensor" warning for the units whose output is the LM head's logits.
+
+    ``ColwiseParallel(use_local_output=True)`` hands back ``DTensor.to_local()``, which is a view made by a
+    custom autograd Function (torch 2.4-2.13 checked). FSDP2 warns on every rank, every step, that an in-place
+    op on a returned view would silently drop its pre-backward hook; for this view that cannot happen:
+    autograd refuses in-place ops on views made by custom Functions with a RuntimeError. A copy would cost one
+    more (B, T, vocab) buffer per step, so the message is silenced instead, for exactly those FSDP units
+    (``FSDP<class>`` of every module on the path to the head, which are what return the logits). Call after
+    ``apply_tp``; returns the class names silenced.
+
+    Example::
+
+        >>> quiet_local_logits_warning(lightning_module, plan)  # doctest: +SKIP
+        ['FSDPCausalLM', 'FSDPLlamaForCausalLM']
+    """
+    import warnings
+
+    heads = [
+        n for n, style in plan.items()
+        if n.rsplit(".", 1)[-1] in LM_HEADS and isinstance(style, ColwiseParallel) and style.use_local_output
+    ]
+    names: set[str] = set()
+    for head in heads:
+        parts = head.split(".")
+        for i in range(len(parts)):
+            name = type(model.get_submodule(".".join(parts[:i]))).__name__
+            names.add(name if name.startswith("FSDP") else f"FSDP{name}")
+    for name in sorted(names):
+        warnings.filterwarnings(
+            "ignore", category=UserWarning,
+            message=rf"FSDP2-wrapped module \((?:[^)]*, )?{re.escape(name)}(?:, [^)]*)?\) returned a view tensor",
+        )
+    return sorted(names)

@@ -35,7 +35,8 @@ _COMMON = dict(
 )
 
 
-def _config(family: str) -> Any:
+def _config(family: str, overrides: dict | None = None) -> Any:
+    """The family's tiny config; ``overrides`` sets config attributes (e.g. the fix a refusal names)."""
     import transformers as tf
 
     configs: dict[str, Callable[[], Any]] = {
@@ -51,6 +52,8 @@ def _config(family: str) -> Any:
     }
     config = configs[family]()
     config._attn_implementation = "sdpa"
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
@@ -69,24 +72,27 @@ def _lightning_base() -> type:
 class CausalLM(_lightning_base()):  # type: ignore[misc]
     """A plain LightningModule around ``AutoModelForCausalLM`` with SGD.
 
-    ``loss_form="ce"``: tensor batches, CE by hand. ``"hf_labels"``: the transformers idiom
+    ``loss_form`` (see :data:`LOSS_FORMS`): ``"ce"``: CE by hand on ``batch[:, :-1]`` / ``batch[:, 1:]`` (under cp
+    on the dict's ``input_ids`` / ``labels``). ``"hf_labels"``: the transformers idiom
     ``model(input_ids=ids, labels=ids).loss``, on the token tensor or (under cp) the dict's ``input_ids``.
+    ``"hf_ids"``: the DataLoader yields ``{"input_ids": (B, T)}`` dicts and the loss is that idiom on them.
     """
 
-    def __init__(self, family: str, lr: float = LR, loss_form: str = "ce") -> None:
+    def __init__(self, family: str, lr: float = LR, loss_form: str = "ce", overrides: dict | None = None) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.lr, self.loss_form = lr, loss_form
-        self.model = AutoModelForCausalLM.from_config(_config(family))
+        self.model = AutoModelForCausalLM.from_config(_config(family, overrides))
 
     def loss(self, batch: Any) -> torch.Tensor:
-        if self.loss_form == "hf_labels":
+        if self.loss_form in ("hf_labels", "hf_ids"):
             ids = batch["input_ids"] if isinstance(batch, dict) else batch
             return self.model(input_ids=ids, labels=ids).loss
-        logits = self.model(input_ids=batch[:, :-1]).logits
+        ids, labels = (batch["input_ids"], batch["labels"]) if isinstance(batch, dict) else (batch[:, :-1], batch[:, 1:])
+        logits = self.model(input_ids=ids).logits
         logits = logits if logits.dtype == torch.float64 else logits.float()
-        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.loss(batch)
@@ -95,23 +101,44 @@ class CausalLM(_lightning_base()):  # type: ignore[misc]
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def build(family: str, seed: int = 0, loss_form: str = "ce") -> CausalLM:
+LOSS_FORMS = ("ce", "hf_labels", "hf_ids")
+
+
+class IdsDicts(torch.utils.data.Dataset):
+    """``{"input_ids": row[:SEQ]}`` per token row: what an HF collator without labels yields."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i, : T.SEQ]}
+
+
+def dataset(rows: torch.Tensor, loss_form: str) -> Any:
+    """The rows as the DataLoader of ``loss_form`` sees them (token rows, or ids-only dicts)."""
+    return IdsDicts(rows) if loss_form == "hf_ids" else rows
+
+
+def build(family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None) -> CausalLM:
     torch.manual_seed(seed)
-    return CausalLM(family, loss_form=loss_form).to(FAMILY_DTYPE.get(family, torch.float32))
+    return CausalLM(family, loss_form=loss_form, overrides=overrides).to(FAMILY_DTYPE.get(family, torch.float32))
 
 
 def reference(
-    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce"
+    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce", overrides: dict | None = None
 ) -> tuple[list[float], dict, dict]:
     """One process, each step's global batch: (losses, initial parameters, final parameters)."""
-    module = build(family, loss_form=loss_form)
+    module = build(family, loss_form=loss_form, overrides=overrides)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = module.configure_optimizers()
     data = T.tokens(steps * T.PER_RANK_BATCH * world)
     losses = []
     for idx in T.step_batches(len(data), dp, steps):
         opt.zero_grad()
-        loss = module.loss(data[idx])
+        loss = module.loss({"input_ids": data[idx, : T.SEQ]} if loss_form == "hf_ids" else data[idx])
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -137,22 +164,27 @@ def _tp_replica_spread(module: torch.nn.Module, tp_mesh: Any) -> dict[str, float
     return out
 
 
-def fit(rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce") -> dict[str, Any]:
-    """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread."""
+def fit(
+    rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce", overrides: dict | None = None
+) -> dict[str, Any]:
+    """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread.
+
+    Under pp each rank returns the parameters of its own stages (merge them with :func:`merged_params`)."""
     import lightning as L
     from torch.utils.data import DataLoader
 
     import meshkit
 
     T.launcher_env(rank, world)
-    module = build(family, loss_form=loss_form)
+    module = build(family, loss_form=loss_form, overrides=overrides)
     recorder = T.LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(**strategy), max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[recorder],
     )
-    trainer.fit(module, DataLoader(T.tokens(steps * T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+    rows = T.tokens(steps * T.PER_RANK_BATCH * world)
+    trainer.fit(module, DataLoader(dataset(rows, loss_form), batch_size=T.PER_RANK_BATCH))
     dims = trainer.strategy.parallel_dims
     dp = dims.submesh("dp")
     return {
@@ -181,6 +213,14 @@ def suggested_plan(error: str) -> dict[str, str]:
     found = re.search(r"tp_plan=(\{[^}]*\})\)", error)
     assert found, error
     return ast.literal_eval(found.group(1))
+
+
+def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Every rank's parameters in one dict (pp ranks hold different stages; others hold them all)."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r["params"])
+    return out
 
 
 def update_errors(got: dict, init: dict, want: dict) -> dict[str, float]:

@@ -64,6 +64,14 @@ def _hf_attention_fn(group: ProcessGroup, attention: str, layout: str) -> Callab
     """An attention function for transformers' AttentionInterface (signature of its sdpa_attention_forward)."""
 
     def forward(module: nn.Module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+        window, seq_len = kw.get("sliding_window"), dist.get_world_size(group) * query.shape[2]
+        if window is not None and window < seq_len:
+            raise ValueError(
+                f"apply_context_parallel: {type(module).__name__} attends within `sliding_window={window}` tokens, but "
+                f"the sequences are {seq_len} long and context-parallel attention attends to every earlier token. "
+                f"Train with sequences of at most {window} tokens, or set `config.sliding_window=None` (full causal "
+                "attention) if that is the model you mean."
+            )
         if attention_mask is not None or (dropout and module.training):
             raise ValueError(
                 "apply_context_parallel: a transformers model passed an `attention_mask` or dropout>0 to context-"
@@ -96,11 +104,16 @@ def _position_hook(group: ProcessGroup, layout: str, key: str) -> Callable:
 
 def _shifted_labels_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """``labels=batch["input_ids"]`` or ``labels=batch["labels"]`` of a :func:`shard_batch` batch: pass the
-    shifted labels as ``shift_labels`` (transformers would shift this rank's load-balanced shard otherwise)."""
-    shifted = getattr(kwargs.get("labels"), "_meshkit_cp_shifted", None)
+    shifted labels as ``shift_labels`` (transformers would shift this rank's load-balanced shard otherwise),
+    and the cp group's mean count of targets as ``num_items_in_batch`` (the ranks hold different counts when
+    some targets are ignored, e.g. after each row's last token)."""
+    labels = kwargs.get("labels")
+    shifted = getattr(labels, "_meshkit_cp_shifted", None)
     if shifted is None or kwargs.get("shift_labels") is not None:
         return None
     kwargs["shift_labels"] = shifted
+    if kwargs.get("num_items_in_batch") is None:
+        kwargs["num_items_in_batch"] = labels._meshkit_cp_items
     return args, kwargs
 
 

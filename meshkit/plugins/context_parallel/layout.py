@@ -25,6 +25,7 @@ __all__ = [
     "CP_LAYOUTS",
     "P2P_TIMEOUT",
     "POSITION_KEYS",
+    "IGNORE_INDEX",
     "Group",
     "process_group",
     "chunks_of_rank",
@@ -45,6 +46,9 @@ P2P_TIMEOUT = timedelta(seconds=120)
 
 POSITION_KEYS: tuple[str, ...] = ("positions", "position_ids")
 """Batch keys / forward arguments that carry token positions."""
+
+IGNORE_INDEX = -100
+"""The label that counts for no loss (PyTorch's and transformers' ``ignore_index``)."""
 
 Group = Union[ProcessGroup, DeviceMesh]
 
@@ -163,6 +167,17 @@ class CPBatch(dict):
             raise TypeError(self._explain(f"indexed with {key!r}"))
         return super().__getitem__(key)
 
+    def __missing__(self, key: str) -> Any:
+        if key == "labels":
+            raise KeyError(
+                "NDParallelStrategy(cp>1): this batch has no 'labels' (the DataLoader's dicts held "
+                f"{sorted(k for k in self if k != 'positions')}). With transformers pass "
+                "`labels=batch['input_ids']`: meshkit shifts them over the whole sequence before sharding, so the loss "
+                "is one process's. For a loss by hand, yield {'input_ids', 'labels'} with labels already shifted, or "
+                "(B, T+1) token tensors. See docs/models.md."
+            )
+        raise KeyError(key)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
@@ -183,8 +198,10 @@ class CPBatch(dict):
 def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "load_balanced") -> dict[str, torch.Tensor]:
     """This cp rank's part of a batch: ``{"input_ids", "labels", "positions", ...}`` sharded along ``seq_dim``.
 
-    ``batch`` is a dict with ``input_ids`` (and usually ``labels``; ``positions``/``position_ids`` if the data
-    carries them) or a (B, T+1) token tensor, split into inputs ``[:, :-1]`` and labels ``[:, 1:]``.
+    ``batch`` is a dict with ``input_ids`` (and usually ``labels``, already shifted; ``positions``/``position_ids``
+    if the data carries them) or a (B, T+1) token tensor, split into inputs ``[:, :-1]`` and labels ``[:, 1:]``.
+    A dict without ``labels`` gets none, but its ``input_ids`` carry the next tokens of the whole sequence for
+    transformers' ``labels=batch["input_ids"]`` (see :func:`~meshkit.plugins.context_parallel.apply_context_parallel`).
     Every tensor entry whose size at ``seq_dim`` equals the sequence length is sharded; ``positions``
     (B, T/cp) hold the global positions of the local tokens. With ``cp == 1`` nothing is cut.
 
@@ -223,9 +240,20 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
             out[key] = shard_sequence(value, rank, cp, seq_dim, layout)
     if "position_ids" in out and "positions" not in out:
         out["positions"] = out["position_ids"]
-    if isinstance(out.get("labels"), torch.Tensor):
-        # Marks for transformers' loss (apply_context_parallel): `labels=` either of these means these shifted
-        # labels, so HF must not shift the local shard again.
-        for key in ("input_ids", "labels"):
-            out[key]._meshkit_cp_shifted = out["labels"]
+    labels = batch.get("labels")
+    if not isinstance(labels, torch.Tensor):
+        # `{"input_ids"}` only: the targets are the next tokens of the whole sequence (none after the last),
+        # shifted here, before sharding; transformers would shift each rank's load-balanced shard instead.
+        ignore = torch.full_like(tokens.narrow(seq_dim, 0, 1), IGNORE_INDEX)
+        labels = torch.cat([tokens.narrow(seq_dim, 1, seq_len - 1), ignore], dim=seq_dim)
+    # Marks for transformers' loss (apply_context_parallel): `labels=` the batch's `input_ids` (or `labels`) means
+    # these shifted labels, so HF must not shift the local shard again; and the loss divides by the cp group's
+    # mean count of targets, so the cp ranks' mean loss and gradient are one process's even when the ranks hold
+    # different numbers of them (the rank holding a row's last token has one target fewer).
+    local = shard_sequence(labels, rank, cp, seq_dim, layout)
+    items = float((labels != IGNORE_INDEX).sum()) / cp
+    for key in ("input_ids", "labels"):
+        if isinstance(out.get(key), torch.Tensor):
+            out[key]._meshkit_cp_shifted = local
+            out[key]._meshkit_cp_items = items
     return out

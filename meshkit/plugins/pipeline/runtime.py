@@ -44,8 +44,12 @@ __all__ = [
 
 
 def causal_lm_loss(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross-entropy of logits (B, T, V) against labels (B, T): the default pipeline loss."""
-    return F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(0, 1))
+    """Token-mean cross-entropy of logits (B, T, V) against labels (B, T): the default pipeline loss.
+
+    Computed in float32 at least (bf16 logits are upcast; float64 ones stay float64).
+    """
+    logits = output.flatten(0, 1)
+    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), labels.flatten(0, 1))
 
 
 def plan_split(

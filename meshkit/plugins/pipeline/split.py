@@ -58,21 +58,39 @@ def _meshkit_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """HF ``*ForCausalLM`` (Llama family): input ids or hidden states -> hidden states or logits.
 
-    The causal mask and rotary embeddings are rebuilt on every stage from positions 0..T-1,
-    exactly as ``LlamaModel.forward`` builds them without padding or cache.
+    The attention masks and rotary embeddings are rebuilt on every stage from positions 0..T-1,
+    exactly as the family's ``*Model.forward`` builds them without padding or cache: per layer type
+    where the config lists ``layer_types`` (Qwen2/3: full or sliding), a sliding-window mask for every
+    layer where the config sets ``sliding_window`` without them (Mistral, Phi-3), else causal (Llama).
     """
-    from transformers.masking_utils import create_causal_mask
-
     inner = self.model
     h = inner.embed_tokens(x) if inner.embed_tokens is not None else x  # (B, T, D)
     pos = torch.arange(h.shape[1], device=h.device)[None]  # (1, T)
-    mask = create_causal_mask(config=inner.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+    masks = _hf_layer_masks(inner.config, h, pos, inner.layers.keys())
     pos_emb = inner.rotary_emb(h, position_ids=pos)
-    for layer in inner.layers.values():
-        h = layer(h, attention_mask=mask, position_embeddings=pos_emb, position_ids=pos)
+    for key, layer in inner.layers.items():
+        h = layer(h, attention_mask=masks[key], position_embeddings=pos_emb, position_ids=pos)
     if inner.norm is not None:
         h = inner.norm(h)
     return self.lm_head(h) if self.lm_head is not None else h
+
+
+def _hf_layer_masks(config: object, h: torch.Tensor, pos: torch.Tensor, keys: object) -> dict[str, object]:
+    """Each block's attention mask (by its original index ``key``), as the HF family's model builds it."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        kinds = {k: layer_types[int(k)] for k in keys}
+    else:
+        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
+        kinds = {k: kind for k in keys}
+    built = {
+        kind: builders[kind](config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
+        for kind in set(kinds.values())
+    }
+    return {k: built[kind] for k, kind in kinds.items()}
 
 
 STAGE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
