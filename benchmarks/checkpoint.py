@@ -1,15 +1,18 @@
 """Checkpoint save time: meshkit's atomic, hashed save vs a plain DCP save of the same state, in one run.
 
-Providers, interleaved round by round so machine noise hits both alike, one process, the demo model
-(``meshkit demo``'s LlamaConfig: dim 128, 4 layers, vocab 256) with AdamW state, plus a larger model
-(dim 1024, 8 layers, vocab 32000) where hashing is a bigger share:
+Providers, interleaved round by round (the order alternating) so machine noise hits both alike, one
+process, the demo model (``meshkit demo``'s LlamaConfig: dim 128, 4 layers, vocab 256) with AdamW
+state, plus a larger model (dim 1024, 8 layers, vocab 32000: 1.9 GB, one rank's share of a mid-size job):
 
 - ``dcp``      ``torch.distributed.checkpoint.save`` into the folder + ``torch.save(meta.pt)``: what
                Lightning's ModelParallelStrategy does (in place, no fsync of meta.pt, no manifest)
 - ``meshkit``  :func:`meshkit.plugins.checkpointing.save_checkpoint`: ``.partial`` sibling, fsync,
-               CRC-32 of every file, manifest, atomic rename over the previous checkpoint
+               every file CRC-32'd as it is written, manifest, atomic rename over the previous checkpoint
 
-and ``crc32`` alone (the hashing share). Median over rounds of each provider.
+and ``crc32_readback``: reading every file of the checkpoint back and CRC-32ing it, which is what the
+save cost before files were hashed as written (and what verification on load costs). Reported: the
+median, min and max of each provider's seconds, and the median / min / max of the per-round ratio
+meshkit / dcp, in wall seconds and in the process's CPU seconds (less noisy on a shared machine).
 
     python benchmarks/checkpoint.py [--rounds 7] [--large]
 """
@@ -51,48 +54,60 @@ def _state(config: LlamaConfig) -> tuple[dict, dict, int]:
     return params, {"optim": optim, "meta": meta}, numel * 4
 
 
-def _dcp(root: Path, params: dict, rest: dict) -> float:
+def _dcp(root: Path, params: dict, rest: dict) -> tuple[float, float]:
     import torch.distributed.checkpoint as dcp
 
     path = root / "plain.ckpt"
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     path.mkdir(exist_ok=True)
     dcp.save({"state_dict": params, "optimizer_0": rest["optim"]}, checkpoint_id=path, no_dist=True)
     torch.save(rest["meta"], path / "meta.pt")
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
-def _meshkit(root: Path, params: dict, rest: dict) -> float:
-    t = time.perf_counter()
+def _meshkit(root: Path, params: dict, rest: dict) -> tuple[float, float]:
+    t, c = time.perf_counter(), time.process_time()
     save_checkpoint(_STUB, {"state_dict": dict(params), "optimizer_states": [rest["optim"]], **rest["meta"]},
                     root / "last.ckpt")
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
-def _crc(root: Path) -> float:
+def _crc_readback(root: Path, *_: object) -> tuple[float, float]:
     import zlib
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for f in (root / "last.ckpt").iterdir():
         if f.name != MANIFEST:
-            zlib.crc32(f.read_bytes())
-    return time.perf_counter() - t
+            with open(f, "rb") as fh:
+                crc = 0
+                while chunk := fh.read(1 << 22):
+                    crc = zlib.crc32(chunk, crc)
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
 def run(config: LlamaConfig, rounds: int) -> dict:
     params, rest, nbytes = _state(config)
-    times: dict[str, list[float]] = {"dcp": [], "meshkit": [], "crc32": []}
+    times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("MESHKIT_BENCH_DIR")) as tmp:
         root = Path(tmp)
-        for _ in range(rounds):
-            times["dcp"].append(_dcp(root, params, rest))
-            times["meshkit"].append(_meshkit(root, params, rest))
-            times["crc32"].append(_crc(root))
+        for i in range(rounds):
+            order = [("dcp", _dcp), ("meshkit", _meshkit)]
+            for name, provider in [*(order if i % 2 == 0 else order[::-1]), ("crc32_readback", _crc_readback)]:
+                wall, cpu = provider(root, params, rest)
+                times.setdefault(f"{name}_s", []).append(wall)
+                times.setdefault(f"{name}_cpu_s", []).append(cpu)
         shutil.rmtree(root / "plain.ckpt", ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    return {"bytes": nbytes, **{f"{k}_s": round(v, 4) for k, v in med.items()},
-            "meshkit_over_dcp": round(med["meshkit"] / med["dcp"], 3),
-            "crc32_share_of_meshkit": round(med["crc32"] / med["meshkit"], 3)}
+    out: dict = {"bytes": nbytes, **{k: _spread(v) for k, v in times.items()}}
+    for kind in ("s", "cpu_s"):  # wall seconds, and this process's CPU seconds (less noisy on a shared box)
+        mk, dc, rb = (times[f"{n}_{kind}"] for n in ("meshkit", "dcp", "crc32_readback"))
+        out[f"meshkit_over_dcp_{kind}"] = {"of_medians": round(statistics.median(mk) / statistics.median(dc), 3),
+                                           **{k: round(v, 3) for k, v in _spread([m / d for m, d in zip(mk, dc)]).items()}}
+        out[f"readback_would_add_{kind}"] = round(statistics.median(rb) / statistics.median(dc), 3)
+    return out
 
 
 def main() -> None:

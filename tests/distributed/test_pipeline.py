@@ -231,8 +231,9 @@ def pp2_checkpoint(pool, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "strategy,pp",
-    [(dict(preset="pp", pp=4, dp_shard=1, pp_schedule="gpipe"), 4), (dict(preset="fsdp2", dp_shard=4), 1)],
-    ids=["pp4", "pp1"],
+    [(dict(preset="pp", pp=4, dp_shard=1, pp_schedule="gpipe"), 4), (dict(preset="fsdp2", dp_shard=4), 1),
+     (dict(preset="pp", pp=2, dp_shard=2), 2)],  # strict keys gathered over each pp group, two dp groups
+    ids=["pp4", "pp1", "pp2_dp2"],
 )
 def test_checkpoint_from_pp2_resumes_at_other_pp(pool, pp2_checkpoint, strategy, pp):
     path, saved = pp2_checkpoint
