@@ -95,3 +95,27 @@ def test_cp_heads_rule():
         check_cp_heads(6, 6, None, 4, "ulysses", option="attention")
     with pytest.raises(ValueError, match=r"`num_kv_heads=3` either divisible by cp or dividing it"):
         check_cp_heads(12, 3, None, 4, "ulysses")
+
+
+def test_shard_batch_refuses_unshifted_hf_labels():
+    # An HF collator's labels are a copy of input_ids; under cp meshkit reads `labels` as shifted, so the batch
+    # would silently train on the current token. One rank is enough: the check runs before any cut.
+    import torch.distributed as dist
+
+    from meshkit.plugins.context_parallel import shard_batch
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+        with pytest.raises(ValueError, match=r"batch\['labels'\] equals batch\['input_ids'\].*Drop 'labels'"):
+            shard_batch({"input_ids": ids, "labels": ids.clone()}, dist.group.WORLD)
+        padded = ids.clone()
+        padded[0, -2:] = -100  # the collator's padding mask does not hide it
+        with pytest.raises(ValueError, match="unshifted convention"):
+            shard_batch({"input_ids": ids, "labels": padded}, dist.group.WORLD)
+        shifted = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        assert shard_batch({"input_ids": ids, "labels": shifted}, dist.group.WORLD)["labels"].tolist() == shifted.tolist()
+        flat = torch.full((1, 8), 3)  # a constant row is its own shift: nothing to tell apart, accepted
+        assert shard_batch({"input_ids": flat, "labels": flat.clone()}, dist.group.WORLD)["labels"].tolist() == flat.tolist()
+    finally:
+        dist.destroy_process_group()

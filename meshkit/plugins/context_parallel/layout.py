@@ -157,7 +157,7 @@ class CPBatch(dict):
 
     Example::
 
-        >>> CPBatch({"input_ids": torch.zeros(1, 4)}).shape
+        >>> CPBatch({"input_ids": torch.zeros(1, 4)}).shape  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         AttributeError: NDParallelStrategy(cp>1): ...
     """
@@ -192,6 +192,23 @@ class CPBatch(dict):
             "already-shifted targets: `F.cross_entropy(logits.flatten(0, 1), batch['labels'].flatten())`, or for "
             "transformers `model(input_ids=batch['input_ids'], labels=batch['labels'], "
             "shift_labels=batch['labels']).loss` (never let the model shift them again). See docs/models.md."
+        )
+
+
+def _refuse_unshifted_labels(tokens: torch.Tensor, labels: Any, seq_dim: int) -> None:
+    """HF collators give ``labels`` equal to ``input_ids`` (transformers shifts inside the loss); under cp
+    meshkit reads ``labels`` as already shifted, so such a batch would train on the current token."""
+    if not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape or tokens.shape[seq_dim] < 2:
+        return
+    n = tokens.shape[seq_dim] - 1
+    varies = bool((tokens.narrow(seq_dim, 1, n) != tokens.narrow(seq_dim, 0, n)).any())  # constant rows: undecidable
+    if varies and bool(((labels == tokens) | (labels == IGNORE_INDEX)).all()):
+        raise ValueError(
+            "shard_batch: batch['labels'] equals batch['input_ids'] (transformers' unshifted convention, e.g. "
+            "DataCollatorForLanguageModeling), but under context parallelism `labels` must already be shifted "
+            "(labels[:, t] = input_ids[:, t+1]). Drop 'labels' from the batch (meshkit then shifts input_ids over the "
+            "whole sequence, and `labels=batch['input_ids']` gives the one-process loss), or shift them yourself: "
+            "labels = torch.cat([input_ids[:, 1:], torch.full_like(input_ids[:, :1], -100)], dim=1)."
         )
 
 
@@ -241,6 +258,7 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     if "position_ids" in out and "positions" not in out:
         out["positions"] = out["position_ids"]
     labels = batch.get("labels")
+    _refuse_unshifted_labels(tokens, labels, seq_dim)
     if not isinstance(labels, torch.Tensor):
         # `{"input_ids"}` only: the targets are the next tokens of the whole sequence (none after the last),
         # shifted here, before sharding; transformers would shift each rank's load-balanced shard instead.
