@@ -37,6 +37,12 @@ def run_demo(
 ) -> Any:
     """Train the demo model; returns the Trainer (on every rank)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # several processes share the cores
+    import warnings
+
+    # Lightning 2.6's own pytree helper calls torch's deprecated `isinstance(treespec, LeafSpec)` (torch >= 2.10):
+    # harmless, Lightning's to fix, and printed once per rank. The demo hides exactly that line; meshkit's
+    # strategy does not filter it for users' own runs.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
