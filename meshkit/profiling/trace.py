@@ -228,7 +228,7 @@ class TraceWindow:
 
 
 class _Args(msgspec.Struct, gc=False):
-    correlation: Union[int, float, None] = None
+    correlation: Union[int, float, str, None] = None  # str: kept, to be flagged (_bad_reason)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -237,8 +237,8 @@ class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
-    ts: Union[float, None] = None
-    dur: Union[float, None] = None
+    ts: Union[float, str, None] = None  # str: kept, to be flagged
+    dur: Union[float, str, None] = None
     tid: Union[int, str, None] = None
     args: Union[_Args, None] = None
 
@@ -284,11 +284,12 @@ def _coerce(ev: Any) -> _Event:
 
 
 def _all_good(xs: list[_Event]) -> bool:
-    """Whether every complete event of a typed batch has a finite ``ts`` and ``dur >= 0`` (three passes
-    in C: a None raises TypeError; the per-event check runs only when this fails)."""
+    """Whether every complete event of a *typed* batch has a numeric ``ts`` and ``dur >= 0``: two passes
+    in C (a None or a string raises TypeError; msgspec already refused what is not finite). The
+    per-event check (:func:`_bad_reason`) runs only when this fails."""
     try:
-        return (math.isfinite(sum(map(_TS, xs))) and math.isfinite(sum(map(_DUR, xs)))
-                and min(map(_DUR, xs), default=0.0) >= 0)
+        sum(map(_TS, xs))
+        return min(map(_DUR, xs), default=0.0) >= 0
     except TypeError:
         return False
 
@@ -364,8 +365,8 @@ class _Sink:
         if isinstance(batch, _Loose) or not _all_good(xs):
             xs = self._drop_bad(xs)
         self.complete += len(xs)
-        complete = sorted(xs, key=_CAT)
-        for cat, group in itertools.groupby(complete, key=_CAT):
+        xs.sort(key=_CAT)
+        for cat, group in itertools.groupby(xs, key=_CAT):
             evs = list(group)
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs)
