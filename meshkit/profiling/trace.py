@@ -26,6 +26,11 @@ meshkit's own markers (``meshkit:forward_backward``, ``meshkit:optimizer``,
 ``meshkit:validation``, ``meshkit:checkpoint``, written by ``MFUMonitor``) and torch's
 (``Optimizer.step#*`` / ``Optimizer.zero_grad#*``, ``enumerate(DataLoader)#*``).
 Spans named ``PP:*`` are pipeline actions. Times are kept in microseconds, as Kineto writes them.
+
+A complete event with a ``ts`` / ``dur`` that is missing, not a number or not finite, a negative
+``dur`` or a non-numeric correlation (:data:`BAD_EVENT_REASONS`) is skipped, never read as 0, and
+counted per file and reason (``RankTrace.bad_events``, ``problems``); :func:`load_windows` refuses a
+file whose complete events are all bad, naming it.
 """
 
 from __future__ import annotations
