@@ -333,7 +333,7 @@ def _rank_entry(rt: RankTrace, claims: list[tuple[str, Intervals]]) -> dict[str,
         "overlapped_comm_ms": tot["overlapped_comm"], "exposed_comm_ms": tot["exposed_comm"], "idle_ms": tot["idle"],
         "overlap_pct": round(100.0 * tot["overlapped_comm"] / tot["comm"], 4) if tot["comm"] > 0 else 0.0,
         "memory_ms": tot["memory"], "wall_ms": tot["wall"], "shape": rt.shape, "partial": rt.partial,
-        "buckets_ms": {k: _ms(v) for k, v in b.items()},
+        "buckets_ms": {k: _ms(v) for k, v in b.items()}, "bad_events": sum(f["count"] for f in rt.bad_events),
     }
     if "bubble" in tot:
         entry["bubble_ms"] = tot["bubble"]
@@ -370,6 +370,7 @@ def _sum_entries(entries: list[dict[str, Any]]) -> dict[str, Any]:
                 total[k] = {n: round(total.get(k, {}).get(n, 0.0) + x, 6) for n, x in
                             {**dict.fromkeys(total.get(k, {}), 0.0), **v}.items()}
         total["steps"] = total["steps"] + e["steps"]
+        total["bad_events"] = total["bad_events"] + e["bad_events"]
         total["per_step"] = total["per_step"] + e["per_step"]
         total["partial"] = total["partial"] or e["partial"]
     c = total["comm_ms"]
@@ -384,10 +385,13 @@ def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dic
     "exposed_comm_ms", "idle_ms", "overlap_pct", "memory_ms", "wall_ms", "shape", "buckets_ms",
     ["bubble_ms", "waiting_for_ms"], "per_step": [...]}}, "windows": [{"key", "ranks", "stragglers",
     "straggler", "noise_floor_ms"}], "windows_used": [...], "stragglers": [...], "straggler",
-    "partial", "problems", "missing_ranks"}``. ``ranks`` sums every window (each step in
+    "partial", "problems", "missing_ranks", "bad_events"}``. ``ranks`` sums every window (each step in
     ``per_step`` names its window); times are sums over the profiled steps. A truncated, corrupt or
-    missing input sets ``partial`` and says why in ``problems``; a directory with nothing usable
-    raises ``ValueError``.
+    missing input sets ``partial`` and says why in ``problems``. Complete events with a bad ``ts`` /
+    ``dur`` / correlation (a string, a negative or missing ``dur``: ``trace.BAD_EVENT_REASONS``) are
+    skipped and listed in ``bad_events`` (per rank, window and file: ``count``, ``complete``,
+    ``reasons``, ``first``, ``message``; ``bad_events`` per rank counts them) and set ``partial``.
+    A directory with nothing usable, or a file whose events are all bad, raises ``ValueError``.
     """
     if not (isinstance(min_lateness_ms, (int, float)) and min_lateness_ms >= 0):
         raise ValueError(f"analyze: `min_lateness_ms={min_lateness_ms!r}` must be a number >= 0 (0: the run's own "
@@ -422,6 +426,8 @@ def analyze(logdir: str | Sequence[str], *, min_lateness_ms: float = 0.0) -> dic
         "ranks": ranks, "windows": per_window, "windows_used": [w.key for w in windows],
         "stragglers": [dict(s, window=pw["key"]) for pw in per_window for s in pw["stragglers"]],
         "straggler": straggler, "partial": partial, "problems": problems, "missing_ranks": missing,
+        "bad_events": [{"window": w.key, "rank": r, **b, "message": f"rank {r}, window {w.key}: {b['message']}"}
+                       for w in windows for r, rt in sorted(w.ranks.items()) for b in rt.bad_events],
         "trace_bytes": int(sum(rt.bytes for w in windows for rt in w.ranks.values())),
         "events": int(sum(rt.events for w in windows for rt in w.ranks.values())),
     }
@@ -439,7 +445,9 @@ def format_table(result: dict[str, Any]) -> str:
         cols.append("bubble_ms")
     used = result.get("windows_used", [])
     scope = f"totals over each rank's profiled steps, profiler windows {used} (keyed by first batch)"
-    lines = [f"per rank, ms and % ({scope}; overlap_pct = overlapped / all comm):",
+    bad = result.get("bad_events", [])
+    lines = [f"warning: skipped bad trace events: {b['message']}" for b in bad]
+    lines += [f"per rank, ms and % ({scope}; overlap_pct = overlapped / all comm):",
              "rank " + " ".join(f"{c:>18}" for c in cols)]
     for r, v in result["ranks"].items():
         lines.append(f"{r:>4} " + " ".join(f"{v.get(c, float('nan')):>18.3f}" if c != "steps" else f"{v[c]:>18d}"
@@ -468,7 +476,10 @@ def format_table(result: dict[str, Any]) -> str:
     if result["partial"]:
         lines.append("")
         lines.append("PARTIAL RESULT:")
-        lines.extend(f"  - {p}" for p in result["problems"])
+        shown = [b["message"].split(": ", 1)[1] for b in bad]  # the warnings above: not twice
+        lines.extend(f"  - {p}" for p in result["problems"] if not any(p.endswith(m) for m in shown))
+        if bad:
+            lines.append(f"  - {sum(b['count'] for b in bad)} bad events skipped (the warnings at the top)")
     return "\n".join(lines)
 
 
@@ -487,6 +498,8 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(format_table(result))
     if result["partial"]:
-        print(f"meshkit analyze: warning: partial result ({len(result['problems'])} problems)", file=sys.stderr)
+        n_bad = sum(b["count"] for b in result["bad_events"])
+        print(f"meshkit analyze: warning: partial result ({len(result['problems'])} problems"
+              + (f"; {n_bad} bad trace events skipped" if n_bad else "") + ")", file=sys.stderr)
     return 0
 

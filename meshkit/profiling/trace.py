@@ -26,6 +26,11 @@ meshkit's own markers (``meshkit:forward_backward``, ``meshkit:optimizer``,
 ``meshkit:validation``, ``meshkit:checkpoint``, written by ``MFUMonitor``) and torch's
 (``Optimizer.step#*`` / ``Optimizer.zero_grad#*``, ``enumerate(DataLoader)#*``).
 Spans named ``PP:*`` are pipeline actions. Times are kept in microseconds, as Kineto writes them.
+
+A complete event with a ``ts`` / ``dur`` that is missing, not a number or not finite, a negative
+``dur`` or a non-numeric correlation (:data:`BAD_EVENT_REASONS`) is skipped, never read as 0, and
+counted per file and reason (``RankTrace.bad_events``, ``problems``); :func:`load_windows` refuses a
+file whose complete events are all bad, naming it.
 """
 
 from __future__ import annotations
@@ -46,8 +51,8 @@ from typing import Any, Iterator, Sequence, Union
 import msgspec
 import numpy as np
 
-__all__ = ["Intervals", "RankTrace", "TraceWindow", "TraceLoadError", "PHASE_MARKERS", "find_trace_files",
-           "load_trace", "load_rank_trace", "load_windows"]
+__all__ = ["Intervals", "RankTrace", "TraceWindow", "TraceLoadError", "PHASE_MARKERS", "BAD_EVENT_REASONS",
+           "find_trace_files", "load_trace", "load_rank_trace", "load_windows"]
 
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 _NCCL_COLL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
@@ -207,6 +212,10 @@ class RankTrace:
     events: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    bad_events: list[dict[str, Any]] = field(default_factory=list)
+    """Per file with skipped complete events: ``{"file", "count", "complete", "reasons", "first",
+    "message"}`` (``reasons``: :data:`BAD_EVENT_REASONS` -> count; ``first``: the first one, with its
+    reason; ``message``: one line saying all that, also in ``problems``)."""
 
     @property
     def partial(self) -> bool:
@@ -224,7 +233,7 @@ class TraceWindow:
 
 
 class _Args(msgspec.Struct, gc=False):
-    correlation: Union[int, float, None] = None
+    correlation: Union[int, float, str, None] = None  # str: kept, to be flagged (_bad_reason)
 
 
 class _Event(msgspec.Struct, gc=False):
@@ -233,13 +242,20 @@ class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
-    ts: Union[float, None] = None
-    dur: Union[float, None] = None
+    ts: Union[float, str, None] = None  # str: kept, to be flagged
+    dur: Union[float, str, None] = None
     tid: Union[int, str, None] = None
     args: Union[_Args, None] = None
 
 
 _SKIP = _Event()
+_TS, _DUR = operator.attrgetter("ts"), operator.attrgetter("dur")
+
+BAD_EVENT_REASONS = ("ts missing", "ts not a number", "ts not finite", "dur missing", "dur not a number",
+                     "dur not finite", "dur negative", "correlation not a number")
+"""Why a complete (``"ph": "X"``) event is skipped: Kineto writes ``ts`` / ``dur`` as finite numbers
+(µs), ``dur >= 0``, and a numeric ``args.correlation``. Reading anything else as 0 would put a
+table of zeros in front of the user, so such events are counted per file and reason, and skipped."""
 _COMM_NS = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl:", "PP:")
 _NOT_OPS = ("autograd::", "torch::autograd::", "profiler::")
 _NOT_COMPUTE = _COMM_NS + _NOT_OPS
@@ -254,20 +270,65 @@ def _phase_of(name: str) -> str | None:
     return None
 
 
+class _Loose(list):
+    """A batch decoded as plain JSON: its ``ts`` / ``dur`` / correlation values are unchecked."""
+
+
 def _coerce(ev: Any) -> _Event:
-    """An event decoded as plain JSON (a file that does not match the typed schema), read loosely."""
+    """An event decoded as plain JSON (a batch that does not match the typed schema), read loosely:
+    names and a float ``tid`` are tolerated; ``ts``, ``dur`` and the correlation are kept as they
+    are, for :meth:`_Sink.add` to check (:func:`_bad_reason`)."""
     if not isinstance(ev, dict):
         return _SKIP
-    try:
-        ts, dur = (None if ev.get(k) is None else float(ev[k]) for k in ("ts", "dur"))
-    except (TypeError, ValueError):
-        return _SKIP
     args, corr = ev.get("args"), None
-    if isinstance(args, dict) and isinstance(args.get("correlation"), (int, float)):
+    if isinstance(args, dict) and args.get("correlation") is not None:
         corr = _Args(args["correlation"])
     tid = ev.get("tid")
-    return _Event(str(ev.get("ph", "")), str(ev.get("cat", "")), str(ev.get("name", "")), ts, dur,
-                  tid if isinstance(tid, (int, str)) else None, corr)
+    return _Event(str(ev.get("ph", "")), str(ev.get("cat", "")), str(ev.get("name", "")), ev.get("ts"),
+                  ev.get("dur"), tid if isinstance(tid, (int, str)) else None, corr)
+
+
+def _all_good(xs: list[_Event]) -> bool:
+    """Whether every complete event of a *typed* batch has a numeric ``ts`` and ``dur >= 0``: two passes
+    in C (a None or a string raises TypeError; msgspec already refused what is not finite). The
+    per-event check (:func:`_bad_reason`) runs only when this fails."""
+    try:
+        sum(map(_TS, xs))
+        return min(map(_DUR, xs), default=0.0) >= 0
+    except TypeError:
+        return False
+
+
+def _bad_reason(ev: _Event) -> str | None:
+    """Why a complete event cannot be used (one of :data:`BAD_EVENT_REASONS`), or None."""
+    for key, v in (("ts", ev.ts), ("dur", ev.dur)):
+        if v is None:
+            return f"{key} missing"
+        if type(v) not in (int, float):  # a string, a bool, a list ...
+            return f"{key} not a number"
+        if not math.isfinite(v):
+            return f"{key} not finite"
+    if ev.dur < 0:  # type: ignore[operator]
+        return "dur negative"
+    if ev.args is not None and type(ev.args.correlation) not in (int, float, type(None)):
+        return "correlation not a number"
+    return None
+
+
+def _show(ev: _Event) -> str:
+    fields = {"ph": ev.ph, "cat": ev.cat, "name": ev.name, "ts": ev.ts, "dur": ev.dur}
+    if ev.args is not None and ev.args.correlation is not None:
+        fields["correlation"] = ev.args.correlation
+    text = json.dumps(fields, default=repr)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _bad_summary(file: str, sink: "_Sink") -> str:
+    """One line: the file, how many complete events were skipped, by reason, and the first one."""
+    n = sum(sink.bad.values())
+    reasons = ", ".join(f"{c} {r}" for r, c in sorted(sink.bad.items(), key=lambda x: (-x[1], x[0])))
+    return (f"{file}: skipped {n} of {n + sink.complete} complete events as bad ({reasons}); "
+            f"first: {sink.bad_first}")
 
 
 class _Sink:
@@ -289,6 +350,11 @@ class _Sink:
         self.phases: list[tuple[str, float, float, Any, bool]] = []
         self.steps: list[tuple[int, float, float, Any]] = []
         self.events = 0
+        self.complete = 0
+        """Complete ("X") events kept (every one checked, see :func:`_bad_reason`)."""
+        self.bad: dict[str, int] = {}
+        """Skipped complete events by reason (:data:`BAD_EVENT_REASONS`)."""
+        self.bad_first: str | None = None
 
     @property
     def first_ts(self) -> float:
@@ -300,8 +366,12 @@ class _Sink:
     def add(self, batch: list[_Event]) -> None:
         """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
         self.events += len(batch)
-        complete = sorted((ev for ev in batch if ev.ph == "X" and ev.ts is not None), key=_CAT)
-        for cat, group in itertools.groupby(complete, key=_CAT):
+        xs = [ev for ev in batch if ev.ph == "X"]
+        if isinstance(batch, _Loose) or not _all_good(xs):
+            xs = self._drop_bad(xs)
+        self.complete += len(xs)
+        xs.sort(key=_CAT)
+        for cat, group in itertools.groupby(xs, key=_CAT):
             evs = list(group)
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs)
@@ -322,6 +392,18 @@ class _Sink:
                 self.rt_ts.extend([ev.ts for ev in evs])
                 self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
 
+    def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
+        good = []
+        for ev in xs:
+            reason = _bad_reason(ev)
+            if reason is None:
+                good.append(ev)
+                continue
+            self.bad[reason] = self.bad.get(reason, 0) + 1
+            if self.bad_first is None:
+                self.bad_first = f"{reason}: {_show(ev)}"
+        return good
+
     def _host(self, cat: str, evs: list[_Event]) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
             is_aten = [ev.name.startswith("aten::") for ev in evs]
@@ -333,19 +415,19 @@ class _Sink:
             waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
             _spans(waits, self.wait_s, self.wait_e)
             self.wait_tid.extend([_tid(ev) for ev in waits])
-            self.autograd_e.extend([ev.ts + (ev.dur or 0.0) for ev in rest if ev.name.startswith("autograd::engine")])
+            self.autograd_e.extend([ev.ts + ev.dur for ev in rest if ev.name.startswith("autograd::engine")])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
             if name.startswith(("gloo:", "nccl:")):
-                self.ccomm_s.append(ev.ts), self.ccomm_e.append(ev.ts + (ev.dur or 0.0))
+                self.ccomm_s.append(ev.ts), self.ccomm_e.append(ev.ts + ev.dur)
                 self.ccomm_tid.append(_tid(ev)), self.ccomm_names.append(name)
             elif name.startswith("PP:"):
-                self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + (ev.dur or 0.0))
+                self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + ev.dur)
             elif (phase := _phase_of(name)) is not None:
-                self.phases.append((phase, ev.ts, ev.ts + (ev.dur or 0.0), ev.tid, name.startswith("meshkit:")))
+                self.phases.append((phase, ev.ts, ev.ts + ev.dur, ev.tid, name.startswith("meshkit:")))
             elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
-                self.steps.append((int(name[13:]), ev.ts, ev.ts + (ev.dur or 0.0), ev.tid))
+                self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, ev.tid))
 
 
 def _tid(ev: _Event) -> float:
@@ -355,7 +437,7 @@ def _tid(ev: _Event) -> float:
 def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
     """Append the events' [start, end) (and CUDA correlation ids, -1 where absent)."""
     starts.extend([ev.ts for ev in evs])  # type: ignore[misc]
-    ends.extend([ev.ts + (ev.dur or 0.0) for ev in evs])  # type: ignore[operator]
+    ends.extend([ev.ts + ev.dur for ev in evs])  # type: ignore[operator]
     if corr is not None:
         corr.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
                      for ev in evs])
@@ -393,6 +475,18 @@ class _Prefixed(io.RawIOBase):
 
 
 _SEP = b"\n  },"  # Kineto closes every event with this; it cannot occur inside a JSON string
+
+
+def _decode_loose(data: bytes) -> list | None:
+    """Plain JSON: msgspec, else the stdlib (which reads what msgspec refuses: 1e400, NaN, Infinity)."""
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        pass
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
 
 
 def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Event]]:
@@ -436,10 +530,11 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
         body = buf[:cut + 4].lstrip(b" \t\r\n,")
         try:
             batch = _DECODE_BATCH(b"[" + body + b"]")
-        except msgspec.ValidationError:
-            batch = [_coerce(ev) for ev in msgspec.json.decode(b"[" + body + b"]")]
-        except msgspec.DecodeError:
-            break  # not Kineto's layout after all
+        except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
+            raw = _decode_loose(b"[" + body + b"]")
+            if raw is None:
+                break  # not Kineto's layout after all
+            batch = _Loose(_coerce(ev) for ev in raw)
         meta["_batches"] = meta.get("_batches", 0) + 1
         yield batch
         buf = buf[cut + 5:]
@@ -478,7 +573,7 @@ def _stream_slow(reader: io.TextIOBase, meta: dict) -> Iterator[list[_Event]]:
             if more():
                 continue
             raise _Truncated("the `traceEvents` array ends early (truncated file)")
-        yield [_coerce(ev)]
+        yield _Loose([_coerce(ev)])
         pos = end
         if pos > CHUNK_BYTES:
             buf, pos = buf[pos:], 0
@@ -496,7 +591,9 @@ def load_trace(path: str) -> tuple[_Sink, dict, list[str]]:
     """Stream one trace file into a classification sink; returns (sink, top-level metadata, problems).
 
     Never raises for bad content: an empty, truncated or corrupt file yields what could be read
-    and a problem string saying why (the caller flags the rank as partial).
+    and a problem string saying why (the caller flags the rank as partial); so do complete events
+    with a bad ``ts`` / ``dur`` / correlation (:data:`BAD_EVENT_REASONS`), which are skipped and
+    counted in ``sink.bad``.
     """
     sink, meta, problems = _Sink(), {}, []
     try:
@@ -510,7 +607,20 @@ def load_trace(path: str) -> tuple[_Sink, dict, list[str]]:
                         f"kept {sink.events} events read before it")
     except OSError as exc:
         problems.append(f"{os.path.basename(path)}: unreadable ({exc})")
+    if sink.bad:
+        problems.insert(0, _bad_summary(os.path.basename(path), sink))
     return sink, meta, problems
+
+
+def _require_usable(path: str, rank: int | None, sink: _Sink) -> None:
+    """A file whose complete events are all bad is a writer's bug, not a partial trace: refuse it."""
+    if sink.bad and not sink.complete:
+        raise TraceLoadError(
+            f"analyze: the trace of rank {'?' if rank is None else rank}, `{path}`, has no usable events: "
+            f"{_bad_summary(os.path.basename(path), sink)}. Kineto writes `ts` and `dur` as numbers of µs "
+            "with dur >= 0; fix the program that wrote this file, or move it out of the directory to analyse "
+            "the other ranks."
+        )
 
 
 _TRACE_NAME = re.compile(r"trace.*\.json(\.gz)?$")
@@ -546,6 +656,10 @@ def _arr(a: array) -> np.ndarray:
 def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], problems: list[str]) -> RankTrace:
     rt = RankTrace(rank=rank, paths=paths, problems=list(problems))
     rt.events = sum(s.events for s in sinks)
+    rt.bad_events = [{"file": os.path.basename(p), "count": sum(s.bad.values()), "complete": s.complete + sum(
+        s.bad.values()), "reasons": dict(sorted(s.bad.items())), "first": s.bad_first,
+        "message": _bad_summary(os.path.basename(p), s)} for p, s in zip(paths, sinks)
+        if s.bad]
     rt.bytes = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
     for meta in metas:
         info = meta.get("distributedInfo") or {}
@@ -689,7 +803,9 @@ def load_windows(logdir: str | Sequence[str]) -> tuple[list[TraceWindow], list[s
     Each file is one rank's trace of one window. A rank's files are ordered by the first batch in
     MFUMonitor's name ``rank{R}.{first_batch}.pt.trace.json`` (else by their first event); the
     k-th file of every rank is window k, keyed by that first batch (else by k). Raises
-    :class:`TraceLoadError` (a ``ValueError``) when nothing at all can be analysed.
+    :class:`TraceLoadError` (a ``ValueError``) when nothing at all can be analysed, or when a file's
+    complete events are all bad (:data:`BAD_EVENT_REASONS`; naming the file); a file with only
+    some bad events has them skipped, counted in ``RankTrace.bad_events`` and its ``problems``.
     """
     files = list(logdir) if isinstance(logdir, (list, tuple)) else find_trace_files(logdir)
     if not files:
@@ -702,6 +818,7 @@ def load_windows(logdir: str | Sequence[str]) -> tuple[list[TraceWindow], list[s
     for path in files:
         sink, meta, probs = load_trace(path)
         rank = _rank_of(path, meta)
+        _require_usable(path, rank, sink)
         if rank is None:
             problems.append(f"{os.path.basename(path)}: no rank in distributedInfo or file name; skipped")
             continue
