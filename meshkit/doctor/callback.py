@@ -298,8 +298,9 @@ def traces_findings(trace_dir: str) -> list[Finding]:
         return []
     try:
         windows, _ = load_windows(trace_dir)
-    except ValueError:
-        return []
+    except ValueError as exc:  # e.g. a rank's trace with no usable events: say so, do not report "no findings"
+        return [Finding("unreadable_trace", "warning", None, {"trace_dir": trace_dir, "error": str(exc)},
+                        f"`meshkit analyze {trace_dir}` shows the same error; re-profile, or remove the damaged file.")]
     worst: dict[int, Finding] = {}  # per rank, the window where the most all-gather time was exposed
     for window in windows:
         for f in checks.zero3_exposed_allgather(window.ranks):

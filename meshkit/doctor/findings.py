@@ -71,6 +71,8 @@ RULES: dict[str, Rule] = {
                           _S0 + ": 'the slowest stage sets the rate'"),
     "zero3_exposed_allgather": Rule("ZeRO-3 all-gathers are hidden behind compute (exposed < 10 % of the step)",
                                     _S0 + " / " + _S2 + ": ZeRO-3 on a slow fabric; ZeRO-2 is often faster and fits"),
+    "unreadable_trace": Rule("every torch.profiler trace under the log directory can be read (the trace checks "
+                             "above are not silently skipped)", "issue 14: bad events must be flagged, not zeroed"),
     "low_occupancy": Rule("Triton kernels reach >= 25 % warp occupancy and do not spill registers",
                           _S2 + ": low occupancy from register or shared-memory pressure"),
     "mfu_band": Rule("MFU above 40 % excellent, 30–40 % good, well below 30 % something is badly wrong",

@@ -293,3 +293,16 @@ def test_mfu_monitor_switches_the_doctor_on(tmp_path):
     # the Doctor sees the module (an unused parameter) and the monitor's MFU history (its band)
     assert sorted(f.id for f in doctor.findings) == ["mfu_band", "unused_parameters"]
     assert fit(MFUMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0)) == []
+
+
+def test_an_unreadable_trace_is_a_finding_not_silence(tmp_path):
+    # A trace whose every event is bad used to make the trace checks return nothing ("healthy").
+    import json
+
+    from meshkit.doctor.callback import traces_findings
+
+    bad = [{"ph": "X", "name": "aten::mm", "tid": 1, "ts": "x", "dur": 5}]
+    (tmp_path / "rank0.pt.trace.json").write_text(json.dumps({"distributedInfo": {"rank": 0}, "traceEvents": bad}))
+    (f,) = traces_findings(str(tmp_path))
+    assert f.id == "unreadable_trace" and f.severity == "warning"
+    assert "no usable events" in f.evidence["error"] and "rank0.pt.trace.json" in f.evidence["error"]
