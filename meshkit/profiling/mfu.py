@@ -17,8 +17,13 @@ Definitions (numbers say what they count):
 - ``hfu``: the same with hardware FLOPs, measured once by ``FlopCounterMode`` on a real step
   (activation recompute included), summed over all ranks.
 - Tokens are counted once per data-parallel replica: the local batch's tokens × (dp_replicate ·
-  dp_shard), read from ``trainer.strategy.parallel_dims.degrees`` when the strategy has one
-  (tp, cp and pp ranks share a replica's tokens and its FLOPs), else × world size (plain DDP).
+  dp_shard) × cp, read from ``trainer.strategy.parallel_dims.degrees`` when the strategy has one
+  (tp and pp ranks share a replica's tokens; a cp rank's batch holds T/cp of each sequence, so
+  its tokens and T are multiplied by cp), else × world size (plain DDP).
+- Measured FLOPs: each rank counts its local work (DTensor shards under tp, its stage's layers
+  over every micro-batch under pp, its T/cp queries under cp); the forward is what ran outside a
+  backward pass (:func:`meshkit.profiling.flops.flop_counter`), which holds under pp too, where
+  the schedule runs forward and backward inside ``training_step``.
 - The breakdown: the fractions of :data:`~meshkit.profiling.report.BREAKDOWN_PARTS` (compute,
   recompute, exposed_comm, bubble, data_wait, optimizer, validation, checkpoint,
   profiler_overhead, other), each ≥ 0, summing to 1 because the phases partition the step.
@@ -250,9 +255,10 @@ class MFUMonitor(Callback):
         flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the config the module
             holds (:func:`meshkit.modelspec.find_config`: ``config``, ``model.config``, ...), else 3 × the
             measured forward.
-        seq_len: T for the attention term; default the batch's last dimension (minus the label
-            column of a bare (B, T + 1) token tensor).
-        tokens_fn: ``batch -> tokens`` in one local batch; default :func:`batch_tokens`.
+        seq_len: T for the attention term (the full sequence, not a cp shard); default the batch's last
+            dimension (minus the label column of a bare (B, T + 1) token tensor) × cp.
+        tokens_fn: ``batch -> tokens`` in one local batch (× dp × cp for the global count); default
+            :func:`batch_tokens`.
         measure_flops: count hardware FLOPs with ``FlopCounterMode`` on training batch
             ``flop_count_batch`` (that step is not timed).
         profile_every: a torch.profiler window every this many batches (0: never).
