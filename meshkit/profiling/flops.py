@@ -459,7 +459,8 @@ def flop_counter() -> Any:
             lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v))
     registry = {**fc.flop_registry, **extra}
     tally = {"forward": 0, "backward": 0}
-    counter = fc.FlopCounterMode(display=False, custom_mapping={op: _local_shapes(f, tally) for op, f in registry.items()})
+    mapping = {op: _local_shapes(f, tally) for op, f in registry.items()}
+    counter = fc.FlopCounterMode(display=False, custom_mapping=mapping)
     counter.flops_by_pass = tally  # type: ignore[attr-defined]
     return counter
 

@@ -113,6 +113,7 @@ def test_causal_cp_plans_count_the_documented_fraction_of_one_process(cp, attent
                     torch.zeros(1, 1, len(keys), 1), 0.0, causal)
             counted += c.get_total_flops()
             # the pairs the block computes: all of them, or its own lower triangle when causal
-            pairs += [(int(i), int(j)) for a, i in enumerate(queries) for b, j in enumerate(keys) if not causal or b <= a]
+            pairs += [(int(i), int(j)) for a, i in enumerate(queries) for b, j in enumerate(keys)
+                      if not causal or b <= a]
     assert sorted(pairs) == [(i, j) for i in range(t) for j in range(i + 1)]  # each causal pair once, no other
     assert counted == 4 * t * t * _counted_fraction_by_hand(cp, attention, layout)
