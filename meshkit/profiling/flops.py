@@ -385,13 +385,31 @@ def _to_fake(x: Any, mode: Any) -> Any:
     return x
 
 
-def _local_shapes(formula: Callable[..., int]) -> Callable[..., int]:
+_TRACKER: Any = None
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (recompute included).
+
+    ``ModuleTracker.is_bw`` is torch's public spelling of it (the engine's graph task id; checked on
+    torch 2.6-2.13); a tracker that is never entered installs no hooks.
+    """
+    global _TRACKER
+    if _TRACKER is None:
+        from torch.utils.module_tracker import ModuleTracker
+
+        _TRACKER = ModuleTracker()
+    return bool(_TRACKER.is_bw)
+
+
+def _local_shapes(formula: Callable[..., int], tally: dict[str, int] | None = None) -> Callable[..., int]:
     """Run a registry formula on each DTensor argument's local shard, so every rank counts its own work.
 
     FlopCounterMode sees a DTensor op before DTensor dispatches it to the local shards (a mode runs
     before a tensor subclass), so torch's formulas would count a tensor-parallel matmul at its full
     (global) size on every TP rank. ``_local_tensor`` is DTensor's shard (no public accessor that
-    does not record autograd; checked on torch 2.6-2.13).
+    does not record autograd; checked on torch 2.6-2.13). With ``tally``, each count is also added
+    to ``tally["backward"]`` inside a backward pass, else to ``tally["forward"]``.
     """
     from torch.utils._pytree import tree_map
 
@@ -400,7 +418,10 @@ def _local_shapes(formula: Callable[..., int]) -> Callable[..., int]:
         return inner if isinstance(inner, torch.Tensor) else x
 
     def counted(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-        return formula(*tree_map(local, args), out_val=tree_map(local, out_val), **tree_map(local, kwargs))
+        flops = formula(*tree_map(local, args), out_val=tree_map(local, out_val), **tree_map(local, kwargs))
+        if tally is not None:
+            tally["backward" if _in_backward() else "forward"] += int(flops)
+        return flops
 
     counted._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode passes tensors, not shapes
     return counted
@@ -412,6 +433,9 @@ def flop_counter() -> Any:
     - DTensor arguments are counted at their local shard's shape (:func:`_local_shapes`), so under
       tensor parallelism the ranks' counts add up to the one-process count instead of TP times it
       (before: 1.85x too many FLOPs per rank under ``hsdp_tp``).
+    - ``counter.flops_by_pass`` (a dict) splits the total into ``"forward"`` and ``"backward"`` (what the
+      autograd engine ran, activation recompute included) by when each op ran, not by hook order: a
+      pipeline schedule runs every micro-batch's forward and backward inside ``training_step``.
     - torch's registry (checked on 2.6–2.13) has no formula for
       ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, so SDPA on CPU tensors
       would count 0 FLOPs; we map them to torch's own ``sdpa_flop_count`` /
@@ -419,8 +443,8 @@ def flop_counter() -> Any:
 
     >>> with flop_counter() as c:
     ...     _ = torch.ones(2, 3) @ torch.ones(3, 4)
-    >>> c.get_total_flops()
-    48
+    >>> c.get_total_flops(), c.flops_by_pass
+    (48, {'forward': 48, 'backward': 0})
     """
     from torch.utils import flop_counter as fc
 
@@ -434,7 +458,11 @@ def flop_counter() -> Any:
         extra[bwd] = fc.shape_wrapper(
             lambda g, q, k, v, *args, out_shape=None, **kw: fc.sdpa_backward_flop_count(g, q, k, v))
     registry = {**fc.flop_registry, **extra}
-    return fc.FlopCounterMode(display=False, custom_mapping={op: _local_shapes(f) for op, f in registry.items()})
+    tally = {"forward": 0, "backward": 0}
+    mapping = {op: _local_shapes(f, tally) for op, f in registry.items()}
+    counter = fc.FlopCounterMode(display=False, custom_mapping=mapping)
+    counter.flops_by_pass = tally  # type: ignore[attr-defined]
+    return counter
 
 
 def measure_step_flops(model: torch.nn.Module, *inputs: Any,

@@ -17,8 +17,13 @@ Definitions (numbers say what they count):
 - ``hfu``: the same with hardware FLOPs, measured once by ``FlopCounterMode`` on a real step
   (activation recompute included), summed over all ranks.
 - Tokens are counted once per data-parallel replica: the local batch's tokens × (dp_replicate ·
-  dp_shard), read from ``trainer.strategy.parallel_dims.degrees`` when the strategy has one
-  (tp, cp and pp ranks share a replica's tokens and its FLOPs), else × world size (plain DDP).
+  dp_shard) × cp, read from ``trainer.strategy.parallel_dims.degrees`` when the strategy has one
+  (tp and pp ranks share a replica's tokens; a cp rank's batch holds T/cp of each sequence, so
+  its tokens and T are multiplied by cp), else × world size (plain DDP).
+- Measured FLOPs: each rank counts its local work (DTensor shards under tp, its stage's layers
+  over every micro-batch under pp, its T/cp queries under cp); the forward is what ran outside a
+  backward pass (:func:`meshkit.profiling.flops.flop_counter`), which holds under pp too, where
+  the schedule runs forward and backward inside ``training_step``.
 - The breakdown: the fractions of :data:`~meshkit.profiling.report.BREAKDOWN_PARTS` (compute,
   recompute, exposed_comm, bubble, data_wait, optimizer, validation, checkpoint,
   profiler_overhead, other), each ≥ 0, summing to 1 because the phases partition the step.
@@ -50,7 +55,7 @@ from meshkit.profiling.flops import cpu_peak_key, flop_counter, model_flops_per_
 from meshkit.profiling.report import BREAKDOWN_PARTS, step_scalars, write_layout, write_window
 from meshkit.profiling.window import ProfilerWindows, WindowSteps
 
-__all__ = ["MFUMonitor", "StepMetrics", "mesh_factors", "batch_tokens", "split_step"]
+__all__ = ["MFUMonitor", "StepMetrics", "mesh_factors", "sequence_shards", "batch_tokens", "split_step"]
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -78,6 +83,18 @@ def mesh_factors(strategy: Any, world_size: int) -> tuple[int, int]:
             f"not the world size ({world_size}). Check the strategy's ParallelDims."
         )
     return dp, world_size
+
+
+def sequence_shards(strategy: Any) -> int:
+    """How many ranks split each sequence (the ``cp`` degree): the batch a cp rank sees holds T/cp tokens of
+    every sequence of its replica, so tokens and T are the local ones × this.
+
+    >>> class S: parallel_dims = type("D", (), {"degrees": {"dp_shard": 2, "cp": 2}})()
+    >>> sequence_shards(S()), sequence_shards(object())
+    (2, 1)
+    """
+    degrees = getattr(getattr(strategy, "parallel_dims", None), "degrees", None)
+    return int(degrees.get("cp", 1)) if isinstance(degrees, Mapping) else 1
 
 
 def _token_tensor(batch: Any) -> tuple[Any, bool]:
@@ -238,9 +255,10 @@ class MFUMonitor(Callback):
         flops_per_token: model FLOPs per token; default ``6N + 12·L·H·Q·T`` from the config the module
             holds (:func:`meshkit.modelspec.find_config`: ``config``, ``model.config``, ...), else 3 × the
             measured forward.
-        seq_len: T for the attention term; default the batch's last dimension (minus the label
-            column of a bare (B, T + 1) token tensor).
-        tokens_fn: ``batch -> tokens`` in one local batch; default :func:`batch_tokens`.
+        seq_len: T for the attention term (the full sequence, not a cp shard); default the batch's last
+            dimension (minus the label column of a bare (B, T + 1) token tensor) × cp.
+        tokens_fn: ``batch -> tokens`` in one local batch (× dp × cp for the global count); default
+            :func:`batch_tokens`.
         measure_flops: count hardware FLOPs with ``FlopCounterMode`` on training batch
             ``flop_count_batch`` (that step is not timed).
         profile_every: a torch.profiler window every this many batches (0: never).
@@ -298,7 +316,6 @@ class MFUMonitor(Callback):
         self._prev_end: float | None = None
         self._t_start = 0.0
         self._counting: Any = None
-        self._fwd_flops = 0.0
         self._model_per_token: float | None = None  # global model FLOPs per global token
         self._hw_factor = 1.0
         self._fwd_model_per_token: float | None = None
@@ -332,6 +349,7 @@ class MFUMonitor(Callback):
 
             ensure_doctor(trainer, pl_module, stage)
         self._dp, self._world = mesh_factors(trainer.strategy, trainer.world_size)
+        self._cp = sequence_shards(trainer.strategy)
         self._device = pl_module.device if pl_module.device.type != "meta" else torch.device("cpu")
         self._log_dir = trainer.log_dir  # collective: every rank calls setup
         if self.trace_dir is None:
@@ -445,11 +463,6 @@ class MFUMonitor(Callback):
         self._batch = batch
 
     @override
-    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
-        if self._counting is not None:
-            self._fwd_flops = float(self._counting.get_total_flops())
-
-    @override
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._clock is not None:
             self._clock.mark("opt")
@@ -457,19 +470,13 @@ class MFUMonitor(Callback):
             self._win.mark_end("forward_backward")
             self._win.mark_begin("optimizer")
         if self._counting is not None:
-            total = float(self._counting.get_total_flops())
-            self._counting.__exit__(None, None, None)
-            self._counting = None
-            self._finish_count(trainer, pl_module, total)
+            self._finish_count(trainer)
 
     @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         clock = self._clock
         if self._counting is not None:  # manual optimization without on_before_optimizer_step
-            total = float(self._counting.get_total_flops())
-            self._counting.__exit__(None, None, None)
-            self._counting = None
-            self._finish_count(trainer, pl_module, total)
+            self._finish_count(trainer)
         if clock is not None:
             clock.mark("end")
         now = time.perf_counter()
@@ -510,7 +517,8 @@ class MFUMonitor(Callback):
     # ------------------------------------------------------------------ FLOPs
 
     def _global_tokens(self, batch: Any) -> float:
-        return float(self.tokens_fn(batch)) * self._dp
+        # a cp rank's batch holds T/cp of each of its replica's sequences (the strategy shards it)
+        return float(self.tokens_fn(batch)) * self._dp * self._cp
 
     def _resolve_flops(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         if self.flops_per_token is not None:
@@ -519,7 +527,9 @@ class MFUMonitor(Callback):
             cfg = find_config(pl_module)
             if cfg is not None:
                 try:
-                    self._model_per_token = model_flops_per_token(cfg, seq_len=self.seq_len or _batch_seq_len(batch))
+                    local_t = _batch_seq_len(batch)
+                    t = self.seq_len or (local_t * self._cp if local_t is not None else None)
+                    self._model_per_token = model_flops_per_token(cfg, seq_len=t)
                 except ValueError:
                     self._model_per_token = None
         if self._model_per_token is None:
@@ -530,8 +540,13 @@ class MFUMonitor(Callback):
                 "meshkit LlamaConfig) and `measure_flops=False`. Pass `flops_per_token=` or enable measure_flops."
             )
 
-    def _finish_count(self, trainer: Any, pl_module: Any, total_local: float) -> None:
-        local = torch.tensor([self._fwd_flops, total_local], dtype=torch.float64)
+    def _finish_count(self, trainer: Any) -> None:
+        """Stop counting; sum this step's forward and total FLOPs over the ranks (forward: the ops run outside
+        any backward pass, so a pipeline schedule's micro-batches, run inside training_step, split right)."""
+        counter, self._counting = self._counting, None
+        passes = counter.flops_by_pass
+        counter.__exit__(None, None, None)
+        local = torch.tensor([passes["forward"], passes["forward"] + passes["backward"]], dtype=torch.float64)
         if self._world > 1:
             dev = self._device if self._device.type == "cuda" else torch.device("cpu")
             local = trainer.strategy.reduce(local.to(dev), reduce_op="sum").cpu()

@@ -109,10 +109,11 @@ def test_profile_budget_spaces_windows_alike_on_every_rank(pool, tmp_path, budge
         assert windows[0]["next_batch"] > 16
 
 
-def _flops(rank, world_size, root, strategy):
+def _flops(rank, world_size, root, layout):
     import lightning as L
     import torch
 
+    import meshkit
     from meshkit.models import LlamaConfig, LlamaLM, Transformer, synthetic_tokens
     from meshkit.profiling.flops import measure_step_flops
     from meshkit.profiling.mfu import MFUMonitor
@@ -121,22 +122,57 @@ def _flops(rank, world_size, root, strategy):
     cfg = LlamaConfig.tiny(n_kv_heads=4)  # 4 kv heads: tp=4 divides them
     loader = torch.utils.data.DataLoader(synthetic_tokens(world_size * BATCH * 3, SEQ, 256), batch_size=BATCH)
     mon = MFUMonitor(profile_every=0, log_every=1)
+    strategy = layout if isinstance(layout, str) else meshkit.NDParallelStrategy(**layout)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=3, logger=False,
                         default_root_dir=root, callbacks=[mon], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(LlamaLM(cfg), loader)
-    # one process, one rank's batch: (BATCH, SEQ) inputs
+    # one process, one replica's batch: (BATCH, SEQ) inputs, the whole model
     ref = measure_step_flops(Transformer(cfg), torch.zeros(BATCH, SEQ, dtype=torch.long))
-    return {"measured": mon.measured_flops, "dp": mon._dp, "ref_forward": ref.forward, "ref_hardware": ref.hardware}
+    return {"measured": mon.measured_flops, "dp": mon._dp, "ref_forward": ref.forward, "ref_hardware": ref.hardware,
+            "per_token": mon._model_per_token}
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "tp", "hsdp_tp"])
-def test_flops_summed_over_ranks_equal_one_process(pool, tmp_path, strategy):
+# dp_shard=2 x cp=2 (ring, load-balanced) and dp_shard=2 x pp=2 (1f1b, 2 micro-batches of 1) beside the presets
+LAYOUTS = {"fsdp2": "fsdp2", "tp": "tp", "hsdp_tp": "hsdp_tp",
+           "cp": {"dp_shard": 2, "cp": 2, "cp_attention": "ring", "cp_layout": "load_balanced"},
+           "pp": {"dp_shard": 2, "pp": 2, "pp_microbatches": 2}}
+
+
+def _cp_skipped_attention(cfg) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs of one replica's causal attention that the cp=2 ring never runs.
+
+    torch counts a causal SDPA call like a full one: one process counts 4·B·H·T²·hd per layer forward and
+    2.5x that backward (flash recomputes the scores). The load-balanced ring cuts T into 2cp chunks of
+    c = T/2cp, rank r holding chunks r and 2cp-1-r: step 0 is its local causal (2c)² block, counted in full;
+    each of the cp-1 other kv shards needs only half of one side (c × 2c); fully masked blocks are
+    skipped. Over the cp ranks: cp·(4c² + (cp-1)·2c²) = T²·(cp+1)/(2cp) of the T² one process counts,
+    3/4 at cp=2 (tests/unit/test_flops_local.py checks the fraction against every plan and cp).
+    """
+    one_process = cfg.n_layers * 4 * BATCH * cfg.n_heads * SEQ * SEQ * cfg.head_dim
+    skipped = one_process * (1 - 3 / 4)
+    return skipped, 3.5 * skipped
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_flops_summed_over_ranks_equal_one_process(pool, tmp_path, name):
     """Each rank counts its local (sharded) work: the sum over the 4 ranks is the one-process count of
-    the global batch (dp replicas x one batch), not tp times it (hsdp_tp counted 1.85x before)."""
-    results = pool.run(_flops, str(tmp_path), strategy)
+    the global batch (dp replicas x one batch), not tp times it (hsdp_tp counted 1.85x before). Under pp
+    each stage counts its own layers over every micro-batch, and the forward is what ran outside backward
+    (the schedule runs both inside training_step); under cp each rank its T/cp queries. Tokens and the
+    analytic FLOPs per token are the one-process ones: cp ranks see T/cp of each sequence."""
+    from meshkit.models import LlamaConfig
+    from meshkit.profiling.flops import model_flops_per_token
+
+    cfg = LlamaConfig.tiny(n_kv_heads=4)
+    results = pool.run(_flops, str(tmp_path), LAYOUTS[name])
+    skipped_fwd, skipped_hw = _cp_skipped_attention(cfg) if name == "cp" else (0.0, 0.0)
     for r in results:
-        assert r["measured"]["forward"] == pytest.approx(r["dp"] * r["ref_forward"], rel=1e-9), (strategy, r)
-        assert r["measured"]["hardware"] == pytest.approx(r["dp"] * r["ref_hardware"], rel=1e-9), (strategy, r)
-        print(strategy, "dp", r["dp"], "forward summed over ranks", r["measured"]["forward"],
-              "one process", r["dp"] * r["ref_forward"])
+        assert name not in ("cp", "pp") or r["dp"] == 2
+        forward, hardware = r["dp"] * (r["ref_forward"] - skipped_fwd), r["dp"] * (r["ref_hardware"] - skipped_hw)
+        assert r["measured"]["forward"] == pytest.approx(forward, rel=1e-9), (name, r)
+        assert r["measured"]["hardware"] == pytest.approx(hardware, rel=1e-9), (name, r)
+        assert r["measured"]["tokens"] == r["dp"] * BATCH * SEQ, (name, r)
+        assert r["per_token"] == model_flops_per_token(cfg, seq_len=SEQ), (name, r)
+        print(name, "dp", r["dp"], "summed over ranks: forward", r["measured"]["forward"], "hardware",
+              r["measured"]["hardware"], "| one process x dp:", r["dp"] * r["ref_forward"], r["dp"] * r["ref_hardware"])

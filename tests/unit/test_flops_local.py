@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -74,3 +75,45 @@ def test_cpu_peak_is_calibrated_by_one_process_while_the_others_wait(tmp_path):
     assert outs[0]["value"] == outs[1]["value"]
     cache = json.loads((tmp_path / "meshkit" / "cpu_peak.json").read_text())
     assert list(cache) == [next(iter(cache))] and "|cores=" in next(iter(cache))
+
+
+def _counted_fraction_by_hand(cp: int, attention: str, layout: str) -> Fraction:
+    """Causal attention's counted score FLOPs summed over the cp ranks / one process's T×T call (docs/profiling.md)."""
+    if attention == "allgather" and layout == "load_balanced":
+        return Fraction(2 * cp + 1, 4 * cp)  # 2cp chunks of c: chunk k attends k·c keys in full + a c×c diagonal
+    return Fraction(cp + 1, 2 * cp)  # cp causal diagonal blocks counted in full + the cp(cp-1)/2 blocks below them
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", ["load_balanced", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_causal_cp_plans_count_the_documented_fraction_of_one_process(cp, attention, layout):
+    """torch charges each SDPA call 4·B·H·Tq·Tk·hd whatever its mask: the cp plans' blocks, counted so and
+    summed over the ranks, are the stated fraction of one process's causal T×T call; every causal pair
+    (query i, key j <= i) is in exactly one block (so the model work is the same), masked blocks are skipped."""
+    from meshkit.plugins.context_parallel.attention import allgather_plan, ring_plan
+    from meshkit.plugins.context_parallel.layout import layout_index
+
+    t = 8 * cp
+    t_loc = t // cp
+    order = layout_index(t, cp, layout).view(cp, t_loc)  # rank r's local row i is global position order[r, i]
+    counted, pairs = 0, []
+    for rank in range(cp):
+        if attention == "ring":
+            blocks = [(p, (rank - s) % cp) for s in range(cp) if (p := ring_plan(s, rank, cp, True, layout, t_loc))]
+            blocks = [(qs, order[src][ks], c) for (qs, ks, c), src in blocks]
+        else:
+            natural = torch.arange(t)
+            blocks = [(qs, natural[ks], c) for qs, ks, c in allgather_plan(rank, cp, True, layout, t_loc)]
+        for qs, keys, causal in blocks:
+            queries = order[rank][qs]
+            with F.flop_counter() as c:  # what the counter charges one block: B=1, H=1, hd=1
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    torch.zeros(1, 1, len(queries), 1), torch.zeros(1, 1, len(keys), 1),
+                    torch.zeros(1, 1, len(keys), 1), 0.0, causal)
+            counted += c.get_total_flops()
+            # the pairs the block computes: all of them, or its own lower triangle when causal
+            pairs += [(int(i), int(j)) for a, i in enumerate(queries) for b, j in enumerate(keys)
+                      if not causal or b <= a]
+    assert sorted(pairs) == [(i, j) for i in range(t) for j in range(i + 1)]  # each causal pair once, no other
+    assert counted == 4 * t * t * _counted_fraction_by_hand(cp, attention, layout)

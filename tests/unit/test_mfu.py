@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from meshkit.profiling import report as R
-from meshkit.profiling.mfu import MFUMonitor, _Window, batch_tokens, mesh_factors, split_step
+from meshkit.profiling.mfu import MFUMonitor, _Window, batch_tokens, mesh_factors, sequence_shards, split_step
 
 
 class _Dims:
@@ -28,6 +28,9 @@ def test_mesh_factors_count_tokens_once_per_dp_replica():
     assert mesh_factors(_Strategy(), 4) == (4, 4)  # plain DDP fallback
     with pytest.raises(ValueError, match=r"multiply to 4, not the world size \(8\)"):
         mesh_factors(_Strategy(_Dims(dp_shard=2, tp=2)), 8)
+    # a cp rank's batch is T/cp of each sequence: local tokens and T are multiplied by cp
+    assert sequence_shards(_Strategy(_Dims(dp_shard=2, pp=2, cp=2))) == 2
+    assert sequence_shards(_Strategy(_Dims(tp=2))) == 1 and sequence_shards(_Strategy()) == 1
 
 
 def test_batch_tokens():
