@@ -159,7 +159,7 @@ class Doctor(Callback):
 
     def _first_step(self, trainer: Any, batch: Any) -> None:
         """Batch arithmetic, once the first batch's size is known."""
-        from meshkit.profiling.mfu import batch_tokens
+        from meshkit.profiling.mfu import batch_tokens, sequence_shards
 
         local = _batch_size(batch)
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
@@ -181,7 +181,8 @@ class Doctor(Callback):
             m = resolve_microbatches(name, self._dims.pp, local, pipe.microbatches, pipe.virtual_stages)
             self._add(checks.few_microbatches(name, self._dims.pp, m, resolve_virtual_stages(name, pipe.virtual_stages)))
         try:
-            tokens = batch_tokens(batch) * accumulate
+            # a cp rank's batch holds T/cp of each sequence; the data-parallel replica processes all of it
+            tokens = batch_tokens(batch) * accumulate * sequence_shards(trainer.strategy)
         except ValueError:
             return
         self._add(self._dp_overlap(trainer, tokens, dp))
