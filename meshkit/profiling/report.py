@@ -219,6 +219,9 @@ def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
                  if verdict else "straggler: none above the noise floor")
     if floor is not None:
         lines[-1] += f" (noise floor {floor:.3f} ms, the run's own jitter)"
+    if result.get("stragglers"):  # single late arrivals; a straggler is one that made the others wait step after step
+        lines.append("\nlate arrivals above the noise floor (per process group and collective; "
+                     + ("they add up to no straggler)" if not verdict else "the largest first)"))
     for s in result.get("stragglers", [])[:max_stragglers]:
         lines.append(f"\nlate: `{s['collective']}` group {s.get('group', '?')} rank {s['rank']} late by "
                      f"{s['lateness_ms']:.3f} ms ({s['times_last']}/{s['instances']} times last)")
