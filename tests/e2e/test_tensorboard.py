@@ -52,7 +52,7 @@ def test_tensorboard_serves_everything(tensorboard_port):
 
 def test_analyze_cli_reads_the_run(tb_run):
     _, log_dir = tb_run
-    out = subprocess.run([sys.executable, "-m", "meshkit.profiling.overlap", os.path.join(log_dir, "profiler"),
+    out = subprocess.run([sys.executable, "-m", "meshkit", "analyze", os.path.join(log_dir, "profiler"),
                           "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
