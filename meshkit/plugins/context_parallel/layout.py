@@ -273,12 +273,12 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     # last token has one target fewer).
     local = shard_sequence(labels, rank, cp, seq_dim, layout)
     valid = labels != IGNORE_INDEX
-    out.target_counts = [int(shard_sequence(valid, r, cp, seq_dim, layout).sum()) for r in range(cp)]
-    out.cp_rank = rank
+    counts = torch.stack([shard_sequence(valid, r, cp, seq_dim, layout).sum() for r in range(cp)]).tolist()
+    out.target_counts, out.cp_rank = counts, rank  # one device sync for all of them
     for key in ("input_ids", "labels"):
         if isinstance(out.get(key), torch.Tensor):
             out[key]._meshkit_cp_shifted = local
-            mark_items(out[key], float(valid.sum()) / cp)
+            mark_items(out[key], sum(counts) / cp)
     return out
 
 
