@@ -88,3 +88,10 @@ def _profiling_callbacks() -> list[Any]:
 def run_cli(args: argparse.Namespace) -> int:
     run_demo(args.devices, args.steps, args.strategy, args.logdir, args.seq_len, args.batch_size)
     return 0
+
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.demo is not a command: run `meshkit demo` (or `python -m meshkit demo`).", file=sys.stderr)
+    raise SystemExit(2)

@@ -59,3 +59,10 @@ def run_cli(args: argparse.Namespace) -> int:
         print(format_findings(findings))
         print(f"(from {source})")
     return 0
+
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.doctor.cli is not a command: run `meshkit doctor` (or `python -m meshkit doctor`).", file=sys.stderr)
+    raise SystemExit(2)

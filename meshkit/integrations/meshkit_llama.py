@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from meshkit.kernels.rope import half_cos_sin, rotate_with_cos_sin
+from meshkit.loss import num_items
 from meshkit.models.llama import Attention, FeedForward, RMSNorm, Transformer
 
 from .common import Patch, bind_forward, feed_forward_forward, rmsnorm_forward
@@ -27,7 +28,8 @@ def _root_forward(self: Transformer, tokens: torch.Tensor, positions: torch.Tens
     """Transformer.forward; with ``labels`` (B, T) aligned to ``tokens`` it returns the fused loss."""
     if labels is None:
         return type(self).forward(self, tokens, positions)
-    return fused_lm_loss(self.output, self.final_hidden(tokens, positions), labels)
+    total = fused_lm_loss(self.output, self.final_hidden(tokens, positions), labels, reduction="sum")
+    return total / max(num_items(labels), 1.0)  # the token mean of the whole sequences, also under cp
 
 
 def _patch_root(m: nn.Module) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshkit.kernels.rope import apply_rope, rope_cos_sin
+from meshkit.loss import cross_entropy
 
 __all__ = ["LlamaConfig", "Transformer", "LlamaLM", "TokenDataModule", "synthetic_tokens"]
 
@@ -218,8 +219,8 @@ class LlamaLM(L.LightningModule):
         if self.model.fused_loss:
             # meshkit.integrations patched the root: the fused loss never materializes the (tokens × vocab) logits.
             return self.model(inputs, labels=labels)
-        logits = self(inputs)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        # the mean over the valid targets of the whole sequences, also under cp (meshkit.loss)
+        return cross_entropy(self(inputs), labels)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)

@@ -778,3 +778,10 @@ def run_cli(args: Any) -> int:
     numel = sum(t.numel() for t in weights.values())
     print(f"wrote {len(weights)} tensors ({numel:,} elements) to {args.output}")
     return 0
+
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.plugins.checkpointing is not a command: run `meshkit consolidate` (or `python -m meshkit consolidate`).", file=sys.stderr)
+    raise SystemExit(2)

@@ -253,7 +253,9 @@ class NDParallelStrategy(ModelParallelStrategy):
         if self._pipeline.active:  # the schedule runs forward and backward of every micro-batch
             return self._pipeline.training_step(self.lightning_module, args[0])
         with self._loss_context():
-            return self._cp_loss(super().training_step(*args, **kwargs))
+            output = super().training_step(*args, **kwargs)
+            _cp.per_rank_mean_warning(args[0] if args else None)  # cp: warns once if the loss was a per-rank mean
+            return self._cp_loss(output)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -632,3 +632,9 @@ def run_cli(args: argparse.Namespace) -> int:
         print(format_bubble(out, unit=out.get("time_unit", args.unit)))
     return 0
 
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.profiling.bubble is not a command: run `meshkit bubble` (or `python -m meshkit bubble`).", file=sys.stderr)
+    raise SystemExit(2)

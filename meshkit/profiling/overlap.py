@@ -62,6 +62,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from meshkit.profiling.report import straggler_lines
 from meshkit.profiling.trace import Intervals, RankTrace, TraceWindow, intersection_measure, load_windows
 
 __all__ = ["CPU_PRECEDENCE", "CUDA_PRECEDENCE", "TRACE_BUCKETS", "step_claims", "step_buckets",
@@ -465,14 +466,7 @@ def format_table(result: dict[str, Any]) -> str:
     for peak in sorted(peaks):
         p = json.loads(peak)
         lines.append(f"peak FLOP/s used by MFUMonitor: {p.get('flops', 0):.4g} ({p.get('source', '?')})")
-    verdict = result.get("straggler")
-    lines.append(f"straggler: rank {verdict['rank']}, made others wait {verdict['caused_ms_per_step']:.3f} ms per step"
-                 if verdict else "straggler: none above the noise floor (the run's own jitter)")
-    if result["stragglers"]:
-        lines.append("stragglers (late arrivals above the noise floor, per process group and collective):")
-        for s in result["stragglers"][:10]:
-            lines.append(f"  {s['collective']:<24} group {str(s.get('group', '?')):<14} rank {s['rank']:>3}  late by "
-                         f"{s['lateness_ms']:.3f} ms (last in {s['times_last']}/{s['instances']})")
+    lines.extend(straggler_lines(result, max_rows=10))
     if result["partial"]:
         lines.append("")
         lines.append("PARTIAL RESULT:")
@@ -503,3 +497,9 @@ def run_cli(args: argparse.Namespace) -> int:
               + (f"; {n_bad} bad trace events skipped" if n_bad else "") + ")", file=sys.stderr)
     return 0
 
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.profiling.overlap is not a command: run `meshkit analyze` (or `python -m meshkit analyze`).", file=sys.stderr)
+    raise SystemExit(2)

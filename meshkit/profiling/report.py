@@ -54,6 +54,7 @@ __all__ = [
     "markdown_table",
     "text_table",
     "overlap_markdown",
+    "straggler_lines",
     "waterfall_figure",
     "figure_to_array",
     "write_layout",
@@ -199,7 +200,7 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
     """Per-rank overlap and step-model tables (from :func:`meshkit.profiling.overlap.analyze_window`
     or ``analyze``) as pre-formatted text (:func:`text_table`: they are too wide for a markdown table),
-    with the straggler verdict and who waited for whom."""
+    with the straggler verdict (:func:`straggler_lines`) and who waited for whom."""
     cols = ["steps", "compute_ms", "comm_ms", "overlapped_comm_ms", "exposed_comm_ms", "idle_ms", "overlap_pct"]
     ranks = result.get("ranks", {})
     lines = ["per-rank overlap (ms summed over the profiled steps):", "",
@@ -212,22 +213,56 @@ def overlap_markdown(result: Mapping[str, Any], max_stragglers: int = 5) -> str:
                 for r, v in ranks.items()]
         lines += ["", "step model (ms summed over the profiled steps; buckets partition each step):", "",
                   text_table(["rank"] + names + ["waiting for"], rows)]
-    verdict = result.get("straggler")
-    floor = result.get("noise_floor_ms")
-    lines.append("")
-    lines.append(f"straggler: rank {verdict['rank']} (made others wait {verdict['caused_ms_per_step']:.1f} ms per step)"
-                 if verdict else "straggler: none above the noise floor")
-    if floor is not None:
-        lines[-1] += f" (noise floor {floor:.3f} ms, the run's own jitter)"
-    if result.get("stragglers"):  # single late arrivals; a straggler is one that made the others wait step after step
-        lines.append("\nlate arrivals above the noise floor (per process group and collective; "
-                     + ("they add up to no straggler)" if not verdict else "the largest first)"))
-    for s in result.get("stragglers", [])[:max_stragglers]:
-        lines.append(f"\nlate: `{s['collective']}` group {s.get('group', '?')} rank {s['rank']} late by "
-                     f"{s['lateness_ms']:.3f} ms ({s['times_last']}/{s['instances']} times last)")
+    lines += ["", "\n\n".join(straggler_lines(result, max_stragglers, markdown=True))]
     if result.get("partial"):
         lines.append("\n**partial**: " + "; ".join(result.get("problems", [])))
     return "\n".join(lines)
+
+
+def straggler_lines(result: Mapping[str, Any], max_rows: int = 5, *, markdown: bool = False) -> list[str]:
+    """The straggler verdict, the noise floor and the late arrivals of an analysis, one line each: the one
+    wording of these facts, for ``meshkit analyze``'s text and the TensorBoard table alike.
+
+    ``result`` is what :func:`meshkit.profiling.overlap.analyze` or ``analyze_window`` returns (``straggler``,
+    ``stragglers``, and ``noise_floor_ms`` or per-window ``windows``). ``max_rows`` late arrivals are shown,
+    the largest first; ``markdown`` puts collective names in code spans.
+
+    >>> res = {"straggler": {"rank": 1, "caused_ms_per_step": 0.3}, "noise_floor_ms": 0.02, "stragglers": [
+    ...     {"collective": "gloo:all_reduce", "group": [0, 1], "rank": 1, "lateness_ms": 0.3, "times_last": 4,
+    ...      "instances": 4}]}
+    >>> print("\\n".join(straggler_lines(res)))
+    straggler: rank 1 (made others wait 0.300 ms per step; noise floor 0.020 ms, the run's own jitter)
+    late arrivals above the noise floor, per process group and collective, the largest first:
+      late: gloo:all_reduce group [0, 1] rank 1 late by 0.300 ms (last 4 of 4 times)
+    """
+    verdict = result.get("straggler")
+    if "noise_floor_ms" in result:
+        floors = [float(result["noise_floor_ms"])]
+    else:  # analyze's summary: each profiler window has its own floor
+        floors = [float(w["noise_floor_ms"]) for w in result.get("windows", []) if "noise_floor_ms" in w]
+    floor = ""
+    if floors:
+        lo, hi = min(floors), max(floors)
+        floor = (f"noise floor {lo:.3f} ms" if hi == lo else f"noise floor {lo:.3f} to {hi:.3f} ms over "
+                 f"{len(floors)} windows") + ", the run's own jitter"
+    if verdict:
+        head = f"straggler: rank {verdict['rank']} (made others wait {verdict['caused_ms_per_step']:.3f} ms per step"
+        head += f"; {floor})" if floor else ")"
+    else:
+        head = "straggler: none above the noise floor" + (f" ({floor})" if floor else "")
+    lines = [head]
+    late = list(result.get("stragglers", []))
+    if late:  # single late arrivals; a straggler is a rank that made the others wait in every step
+        lines.append("late arrivals above the noise floor, per process group and collective, the largest first"
+                     + (":" if verdict else " (they add up to no straggler):"))
+    name = (lambda n: f"`{n}`") if markdown else str  # noqa: E731
+    for s in late[:max_rows]:
+        where = f" in window {s['window']}" if "window" in s else ""
+        lines.append(f"  late: {name(s['collective'])} group {s.get('group', '?')} rank {s['rank']} late by "
+                     f"{s['lateness_ms']:.3f} ms (last {s['times_last']} of {s['instances']} times{where})")
+    if len(late) > max_rows:
+        lines.append(f"  ... and {len(late) - max_rows} more (`meshkit analyze --json` lists them all)")
+    return lines
 
 
 def waterfall_figure(fractions: Mapping[str, float], mfu: float, title: str = "MFU waterfall"):

@@ -344,3 +344,85 @@ def test_cp_transformers_llama_lightning_matches_one_process(pool):
     want_losses, want_params = T.reference("hf", FIT_STEPS, 1)
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     T.assert_params_close(results[0]["params"], want_params)
+
+
+# ---- cp with ignored labels: the token-weighted mean (meshkit.loss) -----------------------------------------
+MASKED_STEPS = 3
+
+
+def _masked(tokens: torch.Tensor) -> list[dict]:
+    """(N, T+1) tokens as {"input_ids", "labels"} rows whose labels 4..9 are ignored (-100). Under cp=2
+    (load balanced, 4 chunks of 4) cp rank 0 holds positions 0-3 and 12-15, rank 1 4-11: rank 0 keeps 8
+    valid targets per row, rank 1 2. Every row keeps 10, so each dp replica's batch holds 20."""
+    labels = tokens[:, 1:].clone()
+    labels[:, 4:10] = -100
+    return [{"input_ids": t[:-1], "labels": y} for t, y in zip(tokens, labels)]
+
+
+def _masked_reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on each step's global batch: the plain mean over its valid targets."""
+    from torch.utils.data import default_collate
+
+    module = T.build_module("meshkit")
+    opt = module.configure_optimizers()
+    rows = _masked(T.tokens(MASKED_STEPS * T.PER_RANK_BATCH * world))
+    losses = []
+    for idx in T.step_batches(len(rows), 2, MASKED_STEPS):
+        batch = default_collate([rows[i] for i in idx.tolist()])
+        logits = module(batch["input_ids"])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _fit_masked(rank: int, world: int) -> dict:
+    import warnings
+
+    import lightning as L
+    from torch.utils.data import DataLoader, default_collate
+
+    import meshkit
+    from meshkit.loss import num_items
+    from meshkit.plugins.context_parallel import per_rank_mean_warning, shard_batch
+
+    T.launcher_env(rank, 4)
+    module = T.build_module("meshkit")  # LlamaLM: meshkit.loss.cross_entropy on the cp batch's labels
+    recorder = T.LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=4, strategy=meshkit.NDParallelStrategy("cp", dp_shard=2, cp=2, tp=1),
+        max_steps=MASKED_STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[recorder],
+    )  # fmt: skip
+    rows = _masked(T.tokens(MASKED_STEPS * T.PER_RANK_BATCH * world))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, DataLoader(rows, batch_size=T.PER_RANK_BATCH))
+    # A hand-written per-rank mean is what the strategy warns about (on cp rank 0); a loss that divided by
+    # the group's count (meshkit.loss.num_items) silences it.
+    batch = shard_batch(default_collate(rows[:2]), trainer.strategy.parallel_dims.submesh("cp"))
+    hand = per_rank_mean_warning(batch)
+    num_items(batch["labels"])
+    return {"losses": recorder.losses, "dp_rank": trainer.strategy.parallel_dims.submesh("dp").get_local_rank(),
+            "params": T.full_params(module), "counts": batch.target_counts, "cp_rank": batch.cp_rank, "hand": hand,
+            "after_num_items": per_rank_mean_warning(batch),
+            "warned": [str(w.message) for w in caught if "valid (non -100) targets" in str(w.message)]}
+
+
+def test_cp_ignored_labels_match_one_process(pool):
+    """cp=2 × dp_shard=2, the cp ranks holding 16 and 4 valid targets of every batch: LlamaLM's loss
+    (meshkit.loss.cross_entropy) gives one process's losses and final parameters (every name). A per-rank
+    mean would weight rank 1's tokens 4x rank 0's."""
+    results = pool.run(_fit_masked)
+    want_losses, want_params = _masked_reference(4)
+    torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
+    T.assert_params_close(results[0]["params"], want_params)
+    for r in results:
+        assert r["counts"] == [16, 4] and r["warned"] == [] and r["after_num_items"] is None
+        if r["cp_rank"] == 0:
+            assert "the cp ranks hold [16, 4] valid (non -100) targets" in r["hand"]
+            assert "meshkit.loss.cross_entropy(logits, batch['labels'])" in r["hand"]
+        else:
+            assert r["hand"] is None

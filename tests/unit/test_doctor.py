@@ -81,6 +81,45 @@ def test_dp_overlap_t_below_f_over_w():
     assert dp_overlap(1, 1e11, 10.0, dp=2, link="intra-node", measured_peak=True).severity == "info"
 
 
+@pytest.mark.parametrize("cp, accumulate, batch_shape, want_tokens", [
+    (1, 1, (1, 33), 32),    # a (B, T+1) token tensor: 1 x 32 tokens < F/W = 60: a finding
+    (2, 1, (1, 33), None),  # the replica's sequences: 32 x cp 2 = 64 >= 60 (a0427b2^ counted the shard: 32)
+    (2, 3, (1, 9), 48),     # 8 tokens x 3 accumulated x cp 2 = 48 < 60 (a0427b2^: 24)
+    (4, 1, (2, 8), None),   # {"input_ids"} of 2 x 8 per cp rank x cp 4 = 64 >= 60 (a0427b2^: 16)
+])
+def test_dp_overlap_counts_a_cp_replicas_whole_sequences(tmp_path, monkeypatch, cp, accumulate, batch_shape,
+                                                         want_tokens):
+    """The Doctor after its first step, on a fake trainer (one process; dp_shard=2 x cp on one node, fp32):
+    F = 0.60 x 1e12 FLOP/s (MESHKIT_PEAK_FLOPS), W = 10 GB/s (the catalog's CPU row, intra-node), so
+    F/W = 60 tokens. A cp rank's batch holds T/cp of each of its replica's sequences; the replica trains
+    on all of them: tokens per dp rank = B x T_local x accumulate x cp."""
+    import types
+
+    import torch
+
+    from meshkit.doctor import Doctor
+    from meshkit.plugins.dims import ParallelDims
+
+    monkeypatch.setenv("MESHKIT_PEAK_FLOPS", "1e12")
+    strategy = types.SimpleNamespace(parallel_dims=ParallelDims(dp_shard=2, cp=cp, world_size=2 * cp),
+                                     root_device=torch.device("cpu"))
+    trainer = types.SimpleNamespace(global_rank=0, world_size=2 * cp, node_rank=0, num_nodes=1, log_dir=str(tmp_path),
+                                    default_root_dir=str(tmp_path), strategy=strategy, optimizers=[],
+                                    accumulate_grad_batches=accumulate, precision="32-true")
+    tokens = torch.zeros(batch_shape, dtype=torch.long)
+    batch = tokens if batch_shape[-1] % 2 else {"input_ids": tokens}  # (1, 33), (1, 9): T+1 token tensors
+    doctor = Doctor()
+    doctor.setup(trainer, None, "fit")
+    doctor.on_train_batch_end(trainer, None, None, batch, 0)
+    found = [f for f in doctor._local if f.id == "dp_overlap"]
+    if want_tokens is None:
+        assert found == []
+        return
+    (f,) = found
+    assert f.severity == "warning" and f.evidence["needed_tokens"] == 60
+    assert (f.evidence["tokens_per_dp_rank"], f.evidence["dp"], f.evidence["link"]) == (want_tokens, 2, "intra-node")
+
+
 def test_global_batch_changed_against_the_previous_run(tmp_path):
     v0, v1 = tmp_path / "version_0", tmp_path / "version_1"
     write_report(v0, [], {"global_batch": 32, "lr": 0.1, "log_dir": str(v0)})

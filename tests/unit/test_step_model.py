@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from meshkit.profiling.overlap import analyze
+from meshkit.profiling.overlap import analyze, format_table
+from meshkit.profiling.report import overlap_markdown, straggler_lines
 from tests.unit.test_trace import X, write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,6 +128,17 @@ def test_cuda_two_windows_and_a_straggler_by_hand(tmp_path):
     (s,) = [x for x in res["stragglers"] if x["window"] == 5]
     assert (s["collective"], s["group"], s["rank"], s["times_last"]) == ("AllReduce", [0, 1], 1, 2)
     assert s["lateness_ms"] == pytest.approx(0.3)
+    # One wording of the straggler facts: `meshkit analyze`'s text and the TensorBoard table print the same
+    # lines (TensorBoard's with the collective in a code span, one paragraph each).
+    lines = straggler_lines(res)
+    assert lines[:2] == ["straggler: rank 1 (made others wait 0.300 ms per step; noise floor 0.000 ms, the run's own "
+                         "jitter)", "late arrivals above the noise floor, per process group and collective, the "
+                         "largest first:"]
+    assert "  late: AllReduce group [0, 1] rank 1 late by 0.300 ms (last 2 of 2 times in window 5)" in lines
+    text = format_table(res).splitlines()
+    assert text[text.index(lines[0]):text.index(lines[0]) + len(lines)] == lines
+    board = [line for line in overlap_markdown(res).replace("`AllReduce`", "AllReduce").splitlines() if line]
+    assert board[board.index(lines[0]):board.index(lines[0]) + len(lines)] == lines
 
 
 def test_healthy_run_names_no_straggler(tmp_path):
@@ -157,7 +169,8 @@ def test_analysis_modules_import_neither_torch_nor_lightning(tmp_path):
 import contextlib, io, json, sys
 import meshkit, meshkit.timeline
 from meshkit.cli import main
-from meshkit.profiling.overlap import analyze
+from meshkit.profiling.overlap import analyze, format_table
+from meshkit.profiling.report import overlap_markdown, straggler_lines
 from meshkit.profiling.report import overlap_markdown
 res = analyze({str(tmp_path)!r})
 overlap_markdown(res)

@@ -39,6 +39,7 @@ from meshkit.plugins.context_parallel.layout import (
     check_layout,
     gather_sequence,
     layout_index,
+    per_rank_mean_warning,
     sequence_positions,
     shard_batch,
     shard_sequence,
@@ -57,5 +58,6 @@ __all__ = [
     "sequence_positions",
     "shard_batch",
     "CPBatch",
+    "per_rank_mean_warning",
     "apply_context_parallel",
 ]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.overrides import TorchFunctionMode
 
+from meshkit.loss import num_items
 from meshkit.plugins.context_parallel.attention import CP_ATTENTIONS, context_parallel_attention
 from meshkit.plugins.context_parallel.layout import (
     CP_LAYOUTS,
@@ -113,7 +114,7 @@ def _shifted_labels_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
         return None
     kwargs["shift_labels"] = shifted
     if kwargs.get("num_items_in_batch") is None:
-        kwargs["num_items_in_batch"] = labels._meshkit_cp_items
+        kwargs["num_items_in_batch"] = num_items(labels)  # the cp group's targets / cp (shard_batch's record)
     return args, kwargs
 
 

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any, Union
 
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+
+from meshkit.loss import IGNORE_INDEX, items_read, mark_items
 
 __all__ = [
     "CP_LAYOUTS",
@@ -36,6 +39,7 @@ __all__ = [
     "sequence_positions",
     "shard_batch",
     "CPBatch",
+    "per_rank_mean_warning",
 ]
 
 CP_LAYOUTS: tuple[str, ...] = ("load_balanced", "contiguous")
@@ -46,9 +50,6 @@ P2P_TIMEOUT = timedelta(seconds=120)
 
 POSITION_KEYS: tuple[str, ...] = ("positions", "position_ids")
 """Batch keys / forward arguments that carry token positions."""
-
-IGNORE_INDEX = -100
-"""The label that counts for no loss (PyTorch's and transformers' ``ignore_index``)."""
 
 Group = Union[ProcessGroup, DeviceMesh]
 
@@ -153,7 +154,8 @@ class CPBatch(dict):
 
     A dict, so ``batch["input_ids"]`` works; used as the token tensor it replaced (``batch[:, :-1]``,
     ``batch.shape``, passed to a model) it raises an error that says what it is and how to compute
-    the loss, at the first batch.
+    the loss, at the first batch. ``target_counts`` lists each cp rank's valid (non -100) targets of the
+    batch and ``cp_rank`` is this rank's (:func:`per_rank_mean_warning` reads them).
 
     Example::
 
@@ -264,14 +266,45 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
         # shifted here, before sharding; transformers would shift each rank's load-balanced shard instead.
         ignore = torch.full_like(tokens.narrow(seq_dim, 0, 1), IGNORE_INDEX)
         labels = torch.cat([tokens.narrow(seq_dim, 1, seq_len - 1), ignore], dim=seq_dim)
-    # Marks for transformers' loss (apply_context_parallel): `labels=` the batch's `input_ids` (or `labels`) means
-    # these shifted labels, so HF must not shift the local shard again; and the loss divides by the cp group's
-    # mean count of targets, so the cp ranks' mean loss and gradient are one process's even when the ranks hold
-    # different numbers of them (the rank holding a row's last token has one target fewer).
+    # Marks for the loss: `labels=` the batch's `input_ids` (or `labels`) means these shifted labels for
+    # transformers (apply_context_parallel), so HF must not shift the local shard again; and a loss divides by
+    # the cp group's mean count of targets (meshkit.loss.num_items), so the cp ranks' mean loss and gradient are
+    # one process's even when the ranks hold different numbers of them (ignored labels; the rank holding a row's
+    # last token has one target fewer).
     local = shard_sequence(labels, rank, cp, seq_dim, layout)
-    items = float((labels != IGNORE_INDEX).sum()) / cp
+    valid = labels != IGNORE_INDEX
+    counts = torch.stack([shard_sequence(valid, r, cp, seq_dim, layout).sum() for r in range(cp)]).tolist()
+    out.target_counts, out.cp_rank = counts, rank  # one device sync for all of them
     for key in ("input_ids", "labels"):
         if isinstance(out.get(key), torch.Tensor):
             out[key]._meshkit_cp_shifted = local
-            out[key]._meshkit_cp_items = items
+            mark_items(out[key], sum(counts) / cp)
     return out
+
+
+_WARNED: list[bool] = [False]
+
+
+def per_rank_mean_warning(batch: Any) -> str | None:
+    """After ``training_step`` on a :func:`shard_batch` batch: warn (once per process, on cp rank 0) when the
+    cp ranks hold different numbers of valid targets and no loss divided by the group's count
+    (:func:`meshkit.loss.num_items`): a per-rank mean such as ``F.cross_entropy(..., ignore_index=-100)``
+    then weights the ranks' tokens unequally, and the gradient is not one process's. Returns the message,
+    or ``None`` when there is nothing to say. meshkit cannot correct a mean it did not compute: it says so.
+    """
+    counts = getattr(batch, "target_counts", None) if isinstance(batch, CPBatch) else None
+    if not counts or len(set(counts)) == 1 or getattr(batch, "cp_rank", 0) != 0:
+        return None
+    if any(isinstance(batch.get(k), torch.Tensor) and items_read(batch[k]) for k in ("input_ids", "labels")):
+        return None
+    message = (
+        f"NDParallelStrategy(cp={len(counts)}): the cp ranks hold {counts} valid (non -100) targets of this batch, "
+        "and training_step's loss did not divide by the cp group's count, so a per-rank mean (e.g. "
+        "`F.cross_entropy(..., ignore_index=-100)`) weights the ranks' tokens unequally and the gradient differs "
+        "from one process's. Use `meshkit.loss.cross_entropy(logits, batch['labels'])`, or divide a summed loss by "
+        "`meshkit.loss.num_items(batch['labels'])`. See docs/context_parallel.md, 'Loss'."
+    )
+    if not _WARNED[0]:
+        _WARNED[0] = True
+        warnings.warn(message, stacklevel=3)
+    return message

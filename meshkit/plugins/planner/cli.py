@@ -100,3 +100,10 @@ def run_cli(args: argparse.Namespace) -> int:
         if result.named is not None:
             print(compare(result.named, result.best))
     return 0 if result.best is not None else 1
+
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.plugins.planner.cli is not a command: run `meshkit plan` (or `python -m meshkit plan`).", file=sys.stderr)
+    raise SystemExit(2)

@@ -152,3 +152,10 @@ def _run(args: argparse.Namespace) -> list[KernelReport]:
         raise ValueError("--signature is required for a named kernel, e.g. --signature 'X=*fp32,N=i32'.")
     return kernel_occupancy(kernel, signature=args.signature, constexprs=_parse_constexprs(args.constexpr),
                             **common)
+
+
+if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
+    import sys
+
+    print("meshkit.profiling.occupancy.cli is not a command: run `meshkit occupancy` (or `python -m meshkit occupancy`).", file=sys.stderr)
+    raise SystemExit(2)
