@@ -88,8 +88,9 @@ PHASES = [
 def killed(tmp_path_factory) -> dict[str, Path]:
     """Per phase: a save job with ``kill_rank`` SIGKILLed at that phase of its 2nd last.ckpt save, the job then
     killed whole (as a launcher does); then ONE fresh job restores every phase's last.ckpt in turn (a fresh
-    module from another seed and a fresh Trainer each: a process start per restore cost ~10 s and proved nothing
-    more). Returns each phase's folder; its ``resume/`` holds what each rank restored, ``killed`` if it died."""
+    module from another seed and a fresh Trainer each; a job per restore paid two torch + Lightning imports more
+    each time and proved nothing more: no restoring process ever saw a save). Returns each phase's folder;
+    its ``resume/`` holds what each rank restored, ``killed`` marks that the kill happened."""
     root = tmp_path_factory.mktemp("killed")
     dirs = {}
     for phase, kill_rank, _ in PHASES:
