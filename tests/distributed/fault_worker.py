@@ -2,6 +2,7 @@
 
     python -m tests.distributed.fault_worker save   CKPT_DIR PHASE KILL_RANK   # 4 steps, last.ckpt at 2 and 4; SIGKILL at PHASE of the 2nd last.ckpt save
     python -m tests.distributed.fault_worker resume CKPT_PATH OUT_DIR [LAYERS] # restore CKPT_PATH, no training; write params + step
+    python -m tests.distributed.fault_worker resume_each CKPT OUT [CKPT OUT ...] # resume each in turn, one job
     python -m tests.distributed.fault_worker freeze STOP_RANK                  # dp_shard=2 x tp=2, timeout=20 s; STOP_RANK SIGSTOPs itself
     python -m tests.distributed.fault_worker mismatch                          # Trainer(devices=2) under a bigger launch
     python -m tests.distributed.fault_worker launcher PID_DIR rank0_dies|rendezvous   # Lightning's own launcher
@@ -60,6 +61,7 @@ def save(ckpt_dir: str, phase: str, kill_rank: str) -> None:
 
 
 def resume(ckpt_path: str, out_dir: str, layers: str = "4") -> None:
+    """Restore ``ckpt_path`` into a fresh module (another seed) without training; write params + step or the error."""
     import meshkit
     from meshkit.models.llama import LlamaConfig, LlamaLM
 
@@ -75,6 +77,14 @@ def resume(ckpt_path: str, out_dir: str, layers: str = "4") -> None:
         raise
     params = T.full_params(module)
     torch.save({"params": params, "global_step": trainer.global_step}, Path(out_dir, f"rank{os.environ['RANK']}.pt"))
+
+
+def resume_each(*pairs: str) -> None:
+    """``resume`` for each ``CKPT_PATH OUT_DIR`` pair in turn, in this one job (a fresh module and Trainer each)."""
+    launch_env = dict(os.environ)
+    for ckpt_path, out_dir in zip(pairs[::2], pairs[1::2]):
+        os.environ.update(launch_env)  # Lightning's teardown deletes WORLD_SIZE: each restore starts as launched
+        resume(ckpt_path, out_dir)
 
 
 def freeze(stop_rank: str) -> None:
@@ -131,4 +141,4 @@ def launcher(pid_dir: str, what: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"save": save, "resume": resume, "freeze": freeze, "mismatch": mismatch, "launcher": launcher}[sys.argv[1]](*sys.argv[2:])
+    {"save": save, "resume": resume, "resume_each": resume_each, "freeze": freeze, "mismatch": mismatch, "launcher": launcher}[sys.argv[1]](*sys.argv[2:])

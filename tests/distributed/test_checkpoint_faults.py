@@ -29,6 +29,16 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _results(out: Path, codes: list, log_dir: Path | None = None) -> list[dict]:
+    """Each rank's ``rank{r}.pt`` in ``out`` (params + step, or its error) with the job's exit code."""
+    results = []
+    for r in range(WORLD):
+        file = out / f"rank{r}.pt"
+        assert file.is_file(), f"rank {r} wrote nothing (exit {codes[r]})\n{jobs.logs(log_dir or out)}"
+        results.append({**torch.load(file, weights_only=True), "code": codes[r]})
+    return results
+
+
 def _resume(ckpt: Path, tmp: Path, layers: int = 4) -> list[dict]:
     """A fresh 2-rank job restoring ``ckpt``; each rank's params + step, or its error."""
     out = tmp / f"resume-{ckpt.name}-{layers}"
@@ -36,12 +46,7 @@ def _resume(ckpt: Path, tmp: Path, layers: int = 4) -> list[dict]:
     procs = jobs.start(WORLD, "resume", str(ckpt), str(out), str(layers), log_dir=out)
     codes = jobs.wait(procs, JOB_TIMEOUT_S)
     assert all(c is not None for c in codes), f"resume hung: {codes}\n{jobs.logs(out)}"
-    results = []
-    for r in range(WORLD):
-        file = out / f"rank{r}.pt"
-        assert file.is_file(), f"rank {r} wrote nothing (exit {codes[r]})\n{jobs.logs(out)}"
-        results.append({**torch.load(file, weights_only=True), "code": codes[r]})
-    return results
+    return _results(out, codes)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +84,41 @@ PHASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict[str, Path]:
+    """Per phase: a save job with ``kill_rank`` SIGKILLed at that phase of its 2nd last.ckpt save, the job then
+    killed whole (as a launcher does); then ONE fresh job restores every phase's last.ckpt in turn (a fresh
+    module from another seed and a fresh Trainer each; a job per restore paid two torch + Lightning imports more
+    each time and proved nothing more: no restoring process ever saw a save). Returns each phase's folder;
+    its ``resume/`` holds what each rank restored, ``killed`` marks that the kill happened."""
+    root = tmp_path_factory.mktemp("killed")
+    dirs = {}
+    for phase, kill_rank, _ in PHASES:
+        d = dirs[phase] = root / phase
+        d.mkdir()
+        procs = jobs.start(WORLD, "save", str(d), phase, str(kill_rank), log_dir=d)
+        jobs.wait(procs, JOB_TIMEOUT_S, until=lambda: (d / "killed").exists())
+        jobs.kill(procs)  # the job dies with its rank
+        (d / "resume").mkdir()
+    reached = [d for d in dirs.values() if (d / "killed").exists()]
+    pairs = [str(x) for d in reached for x in (d / "last.ckpt", d / "resume")]
+    out = root / "resume_logs"
+    out.mkdir()
+    codes = jobs.wait(jobs.start(WORLD, "resume_each", *pairs, log_dir=out), JOB_TIMEOUT_S)
+    for d in reached:
+        (d / "resume" / "codes").write_text(json.dumps(codes))
+    return dirs
+
+
 @pytest.mark.parametrize("phase,kill_rank,step", PHASES, ids=[p[0] for p in PHASES])
-def test_sigkill_during_save_resumes_a_complete_checkpoint(tmp_path, weights, phase, kill_rank, step):
-    procs = jobs.start(WORLD, "save", str(tmp_path), phase, str(kill_rank), log_dir=tmp_path)
-    jobs.wait(procs, JOB_TIMEOUT_S, until=lambda: (tmp_path / "killed").exists())
-    assert (tmp_path / "killed").exists(), f"never reached {phase}\n{jobs.logs(tmp_path)}"
-    jobs.kill(procs)  # the job dies with its rank, as under a real launcher
-    results = _resume(tmp_path / "last.ckpt", tmp_path)
-    for r in results:
-        assert r["code"] == 0 and "error" not in r, r
+def test_sigkill_during_save_resumes_a_complete_checkpoint(killed, weights, phase, kill_rank, step):
+    d = killed[phase]
+    assert (d / "killed").exists(), f"never reached {phase}\n{jobs.logs(d)}"
+    codes, logs = json.loads((d / "resume" / "codes").read_text()), d.parent / "resume_logs"
+    assert all(c is not None for c in codes), f"resume hung: {codes}\n{jobs.logs(logs)}"
+    for r in _results(d / "resume", codes, logs):
+        assert "error" not in r, r
+        assert r["code"] == 0, f"the restoring job failed later: {codes}\n{jobs.logs(logs)}"
         assert r["global_step"] == step, (phase, r["global_step"])
         for name, tensor in r["params"].items():  # the weights of that very step, not a mix
             assert torch.equal(tensor, weights[step][name]), (phase, name)

@@ -21,12 +21,13 @@ def pool():
         yield p
 
 
-def _fit(rank: int, world: int, strategy: Any, devices: int, num_nodes: int, kind: str, kwargs: dict) -> dict:
+def _fit(rank: int, world: int, strategy: Any, devices: int, num_nodes: int, kind: str, kwargs: dict,
+         steps: int = STEPS) -> dict:
     import meshkit
 
     if isinstance(strategy, dict):
         strategy = meshkit.NDParallelStrategy(**strategy)
-    return T.fit(rank, world, strategy, devices=devices, num_nodes=num_nodes, steps=STEPS, kind=kind, **kwargs)
+    return T.fit(rank, world, strategy, devices=devices, num_nodes=num_nodes, steps=steps, kind=kind, **kwargs)
 
 
 # (id, strategy, devices per node, nodes, model, expected degrees, param -> (mesh axes, placements))
@@ -66,22 +67,31 @@ def test_preset_matches_one_process(pool, case):
 
 
 OPTION_CASES = [
-    ("sequence_parallel", dict(dp_shard=2, tp=2, sequence_parallel=True), {}),
-    ("loss_parallel", dict(dp_shard=2, tp=2, loss_parallel=True), {}),
-    ("ac_full", dict(dp_shard=2, tp=2, activation_checkpointing="full"), {}),
-    ("ac_selective", dict(dp_shard=2, tp=2, activation_checkpointing="selective"), {}),
-    ("zero2", dict(dp_shard=4, tp=1, reshard_after_forward=False), {}),
-    ("fused_kernels", dict(dp_shard=2, tp=2, fused_kernels=True), {}),
+    ("sequence_parallel", dict(dp_shard=2, tp=2, sequence_parallel=True), {}, "meshkit", STEPS),
+    ("loss_parallel", dict(dp_shard=2, tp=2, loss_parallel=True), {}, "meshkit", STEPS),
+    ("ac_full", dict(dp_shard=2, tp=2, activation_checkpointing="full"), {}, "meshkit", STEPS),
+    ("ac_selective", dict(dp_shard=2, tp=2, activation_checkpointing="selective"), {}, "meshkit", STEPS),
+    ("zero2", dict(dp_shard=4, tp=1, reshard_after_forward=False), {}, "meshkit", STEPS),
+    # The kernels themselves are checked under TP/SP/FSDP in test_kernels_tp.py; this case proves the option
+    # wires them in. Under TRITON_INTERPRET every program runs in Python (5 steps of 4 blocks took ~100 s), so
+    # one block and 2 steps: step 2's loss is computed with step 1's update, the final parameters hold both.
+    ("fused_kernels", dict(dp_shard=2, tp=2, fused_kernels=True), {}, "meshkit1", 2),
 ]
+FUSED_ONE_BLOCK = ["loss", "rms_norm", "rms_norm", "rms_norm", "rope", "swiglu"]
+"""What apply_fused_kernels patches in meshkit's Llama with one block (two block norms and the final norm)."""
 
 
 @pytest.mark.parametrize("case", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
 def test_options_match_one_process(pool, case):
-    _, strategy, trainer_kwargs = case
-    results = pool.run(_fit, strategy, 4, 1, "meshkit", trainer_kwargs)
-    want_losses, want_params = T.reference("meshkit", STEPS, results[0]["dp_size"])
+    _, strategy, trainer_kwargs, kind, steps = case
+    results = pool.run(_fit, strategy, 4, 1, kind, trainer_kwargs, steps=steps)
+    want_losses, want_params = T.reference(kind, steps, results[0]["dp_size"])
     torch.testing.assert_close(torch.tensor(T.global_losses(results)), torch.tensor(want_losses), rtol=1e-4, atol=0)
     T.assert_params_close(results[0]["params"], want_params)
+    fused = strategy.get("fused_kernels", False)
+    for r in results:  # the kernels really ran: modules patched, and Triton (the interpreter on CPU) chosen for them
+        assert r["fused"] == (FUSED_ONE_BLOCK if fused else []), r["fused"]
+        assert r["triton"] or not fused
 
 
 def test_gradient_clipping_uses_global_norm(pool):

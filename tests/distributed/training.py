@@ -24,6 +24,8 @@ def build_module(kind: str = "meshkit", seed: int = 0, lr: float = 0.5) -> Any:
     torch.manual_seed(seed)
     if kind == "meshkit":
         return LlamaLM(LlamaConfig.tiny(vocab_size=VOCAB), lr=lr, optimizer="sgd")
+    if kind == "meshkit1":  # one block: under TRITON_INTERPRET every Triton program of the fused kernels runs in Python
+        return LlamaLM(LlamaConfig.tiny(vocab_size=VOCAB, n_layers=1), lr=lr, optimizer="sgd")
     if kind == "mha":  # 4 kv heads, so tp=4 divides them
         return LlamaLM(LlamaConfig.tiny(vocab_size=VOCAB, n_kv_heads=4), lr=lr, optimizer="sgd")
     if kind == "hf":
@@ -164,6 +166,8 @@ def fit(
     from torch.utils.data import DataLoader
 
     import meshkit  # noqa: F401  (registers the presets)
+    from meshkit.integrations.common import MARK
+    from meshkit.kernels._backend import use_triton
 
     launcher_env(rank, devices)
     module = build_module(kind)
@@ -192,6 +196,8 @@ def fit(
         "non_dtensor": [n for n, p in module.named_parameters() if not isinstance(p, DTensor)],
         "params": full_params(module),
         "grad_none_after_first_microstep": recorder.grad_none_at_0,
+        "triton": use_triton(torch.empty(0)),  # what a fused module's kernel call on CPU runs
+        "fused": sorted(getattr(m, MARK) for m in module.modules() if isinstance(getattr(m, MARK, None), str)),
     }
 
 
