@@ -19,10 +19,10 @@ Example::
     >>> import torch
     >>> from meshkit.loss import cross_entropy, mark_items, num_items
     >>> logits, labels = torch.zeros(1, 4, 8), torch.tensor([[1, 2, -100, -100]])
-    >>> num_items(labels), round(cross_entropy(logits, labels).item(), 4)  # no record: the local mean, ln 8
+    >>> num_items(labels).item(), round(cross_entropy(logits, labels).item(), 4)  # no record: the local mean, ln 8
     (2.0, 2.0794)
     >>> labels = mark_items(labels, 4.0)  # e.g. cp=2, 8 valid targets in the group, 2 of them here
-    >>> num_items(labels), round(cross_entropy(logits, labels).item(), 4)  # the local sum / 4
+    >>> num_items(labels).item(), round(cross_entropy(logits, labels).item(), 4)  # the local sum / 4
     (4.0, 1.0397)
 """
 
@@ -40,22 +40,24 @@ _ITEMS = "_meshkit_cp_items"  # N / cp of the cp group, set by shard_batch
 _READ = "_meshkit_cp_items_read"  # set once a loss divided by it (the strategy warns when nothing did)
 
 
-def mark_items(tensor: torch.Tensor, items_per_rank: float) -> torch.Tensor:
+def mark_items(tensor: torch.Tensor, items_per_rank: torch.Tensor | float) -> torch.Tensor:
     """Record on ``tensor`` (a cp batch's ``labels`` or ``input_ids``) the divisor :func:`num_items` returns:
-    the cp group's valid targets divided by ``cp``. Returns ``tensor`` itself."""
-    setattr(tensor, _ITEMS, float(items_per_rank))
+    the cp group's valid targets divided by ``cp`` (a 0-dim tensor, kept on its device). Returns ``tensor``."""
+    items = items_per_rank if isinstance(items_per_rank, torch.Tensor) else torch.tensor(float(items_per_rank))
+    setattr(tensor, _ITEMS, items.to(torch.float32))
     return tensor
 
 
-def num_items(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> float:
+def num_items(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """What a local loss sum is divided by to give the replica's token mean: ``N / cp`` recorded by
     ``shard_batch`` on a cp batch's ``labels`` (or ``input_ids``), else this tensor's valid targets.
+    A 0-dim float tensor on the device that holds it: nothing waits for the device.
 
     For a loss of your own: ``my_loss(..., reduction="sum") / num_items(batch["labels"])``.
     """
     items = getattr(labels, _ITEMS, None)
     if items is None:
-        return float((labels != ignore_index).sum())
+        return (labels != ignore_index).sum().to(torch.float32)
     setattr(labels, _READ, True)
     return items
 
@@ -75,4 +77,4 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     """
     total = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index,
                             reduction="sum")
-    return total / max(num_items(labels, ignore_index), 1.0)
+    return total / num_items(labels, ignore_index).clamp_min(1.0)

@@ -29,7 +29,7 @@ def _root_forward(self: Transformer, tokens: torch.Tensor, positions: torch.Tens
     if labels is None:
         return type(self).forward(self, tokens, positions)
     total = fused_lm_loss(self.output, self.final_hidden(tokens, positions), labels, reduction="sum")
-    return total / max(num_items(labels), 1.0)  # the token mean of the whole sequences, also under cp
+    return total / num_items(labels).clamp_min(1.0)  # the token mean of the whole sequences, also under cp
 
 
 def _patch_root(m: nn.Module) -> None:

@@ -403,10 +403,14 @@ def _fit_masked(rank: int, world: int) -> dict:
     # A hand-written per-rank mean is what the strategy warns about (on cp rank 0); a loss that divided by
     # the group's count (meshkit.loss.num_items) silences it.
     batch = shard_batch(default_collate(rows[:2]), trainer.strategy.parallel_dims.submesh("cp"))
+    from meshkit.plugins.context_parallel import layout
+
+    layout._CHECKED[0] = 0  # this pool process's earlier fits may have used up the checked batches
     hand = per_rank_mean_warning(batch)
     num_items(batch["labels"])
     return {"losses": recorder.losses, "dp_rank": trainer.strategy.parallel_dims.submesh("dp").get_local_rank(),
-            "params": T.full_params(module), "counts": batch.target_counts, "cp_rank": batch.cp_rank, "hand": hand,
+            "params": T.full_params(module), "counts": batch.target_counts.tolist(), "cp_rank": batch.cp_rank,
+            "hand": hand,
             "after_num_items": per_rank_mean_warning(batch),
             "warned": [str(w.message) for w in caught if "valid (non -100) targets" in str(w.message)]}
 

@@ -154,8 +154,9 @@ class CPBatch(dict):
 
     A dict, so ``batch["input_ids"]`` works; used as the token tensor it replaced (``batch[:, :-1]``,
     ``batch.shape``, passed to a model) it raises an error that says what it is and how to compute
-    the loss, at the first batch. ``target_counts`` lists each cp rank's valid (non -100) targets of the
-    batch and ``cp_rank`` is this rank's (:func:`per_rank_mean_warning` reads them).
+    the loss, at the first batch. ``target_counts`` (a (cp,) tensor on the batch's device) holds each cp
+    rank's valid (non -100) targets of the batch and ``cp_rank`` is this rank's
+    (:func:`per_rank_mean_warning` reads them).
 
     Example::
 
@@ -273,16 +274,19 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     # last token has one target fewer).
     local = shard_sequence(labels, rank, cp, seq_dim, layout)
     valid = labels != IGNORE_INDEX
-    counts = torch.stack([shard_sequence(valid, r, cp, seq_dim, layout).sum() for r in range(cp)]).tolist()
-    out.target_counts, out.cp_rank = counts, rank  # one device sync for all of them
+    counts = torch.stack([shard_sequence(valid, r, cp, seq_dim, layout).sum() for r in range(cp)])
+    out.target_counts, out.cp_rank = counts, rank  # on the batch's device: no wait for it
     for key in ("input_ids", "labels"):
         if isinstance(out.get(key), torch.Tensor):
             out[key]._meshkit_cp_shifted = local
-            mark_items(out[key], sum(counts) / cp)
+            mark_items(out[key], counts.sum() / cp)
     return out
 
 
 _WARNED: list[bool] = [False]
+_CHECKED: list[int] = [0]
+CHECKED_BATCHES = 8
+"""How many batches :func:`per_rank_mean_warning` reads the counts of (per process)."""
 
 
 def per_rank_mean_warning(batch: Any) -> str | None:
@@ -291,11 +295,18 @@ def per_rank_mean_warning(batch: Any) -> str | None:
     (:func:`meshkit.loss.num_items`): a per-rank mean such as ``F.cross_entropy(..., ignore_index=-100)``
     then weights the ranks' tokens unequally, and the gradient is not one process's. Returns the message,
     or ``None`` when there is nothing to say. meshkit cannot correct a mean it did not compute: it says so.
+
+    Reading the counts waits for the device, so only the first :data:`CHECKED_BATCHES` batches whose loss
+    did not read the count are checked (a per-rank mean meets uneven counts in nearly every batch).
     """
     counts = getattr(batch, "target_counts", None) if isinstance(batch, CPBatch) else None
-    if not counts or len(set(counts)) == 1 or getattr(batch, "cp_rank", 0) != 0:
+    if counts is None or getattr(batch, "cp_rank", 0) != 0 or _CHECKED[0] >= CHECKED_BATCHES:
         return None
     if any(isinstance(batch.get(k), torch.Tensor) and items_read(batch[k]) for k in ("input_ids", "labels")):
+        return None
+    _CHECKED[0] += 1
+    counts = [int(c) for c in counts.tolist()]
+    if len(set(counts)) == 1:
         return None
     message = (
         f"NDParallelStrategy(cp={len(counts)}): the cp ranks hold {counts} valid (non -100) targets of this batch, "
