@@ -5,7 +5,9 @@ Two measurements, both in one invocation:
 1. **Accounted** (robust on a loaded machine): every MFUMonitor hook is wrapped in a timer, so
    the time spent inside the callback in each step is known exactly; steps touched by a
    torch.profiler window (recorded ops run slower; export, analysis and writing) count as their
-   time minus the median plain step. Overhead = that sum ÷ (run time − that sum).
+   time minus the median plain step. Overhead = that sum ÷ (run time − that sum). The same in
+   CPU time (the hooks' thread CPU; the window steps' process CPU minus the median plain step's),
+   which other processes on a shared machine disturb far less than wall time.
 2. **A/B** (the direct comparison): runs alternate without / with the monitor in one process
    so machine load hits both alike; medians of per-step wall time and per-step process CPU
    time, and the whole fit's wall time.
@@ -48,6 +50,7 @@ class _StepTimer(Callback):
         self.times: list[float] = []
         self.cpu: list[float] = []
         self.hooks: list[float] = []
+        self.hooks_cpu: list[float] = []
         self._acc = hook_acc
         self._last: tuple[float, float] | None = None
 
@@ -57,22 +60,24 @@ class _StepTimer(Callback):
             self.times.append(now - self._last[0])
             self.cpu.append(cpu - self._last[1])
             self.hooks.append(self._acc[0])
-        self._acc[0] = 0.0
+            self.hooks_cpu.append(self._acc[1])
+        self._acc[0] = self._acc[1] = 0.0
         self._last = (now, cpu)
 
 
 def _timed(monitor: MFUMonitor, acc: list[float]) -> None:
-    """Wrap the monitor's hooks so that the seconds spent in them accumulate in ``acc[0]``."""
+    """Wrap the monitor's hooks so that the wall (CPU) seconds spent in them accumulate in ``acc[0]`` (``acc[1]``)."""
     for name in _HOOKS:
         hook = getattr(monitor, name)
 
         @functools.wraps(hook)
         def wrapper(*args, _hook=hook, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _hook(*args, **kwargs)
             finally:
                 acc[0] += time.perf_counter() - t0
+                acc[1] += time.thread_time() - c0
 
         setattr(monitor, name, wrapper)
 
@@ -81,7 +86,7 @@ def one_run(with_monitor: bool, steps: int, every: int, budget: float | None, ro
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny(dim=dim, n_heads=4, n_kv_heads=2)
     loader = torch.utils.data.DataLoader(synthetic_tokens(steps * 4, 64, cfg.vocab_size), batch_size=4)
-    acc = [0.0]
+    acc = [0.0, 0.0]
     timer = _StepTimer(acc)
     monitor = None
     if with_monitor:
@@ -103,9 +108,15 @@ def one_run(with_monitor: bool, steps: int, every: int, budget: float | None, ro
     plain = [timer.times[i] for i in timed if i not in window]
     median = statistics.median(plain)
     extra = sum(timer.times[i] - median if i in window else timer.hooks[i] for i in timed)
-    return {"step_s": median, "cpu_s": statistics.median(timer.cpu[i] for i in timed if i not in window),
+    median_cpu = statistics.median(timer.cpu[i] for i in timed if i not in window)
+    extra_cpu = sum(timer.cpu[i] - median_cpu if i in window else timer.hooks_cpu[i] for i in timed)
+    plain_hooks = [timer.hooks[i] for i in timed if i not in window]
+    return {"step_s": median, "cpu_s": median_cpu,
             "fit_s": fit_s, "overhead_pct": 100 * extra / (sum(timer.times[i] for i in timed) - extra),
-            "hook_us": 1e6 * statistics.median(timer.hooks[i] for i in timed if i not in window),
+            "overhead_cpu_pct": 100 * extra_cpu / (sum(timer.cpu[i] for i in timed) - extra_cpu),
+            "window_s": sum(timer.times[i] - median for i in timed if i in window),
+            "hook_us": 1e6 * statistics.median(plain_hooks), "hook_mean_us": 1e6 * statistics.mean(plain_hooks),
+            "hook_cpu_us": 1e6 * statistics.mean(timer.hooks_cpu[i] for i in timed if i not in window),
             "windows": len(monitor.profile_windows) if monitor else 0}
 
 
@@ -127,9 +138,13 @@ def main() -> None:
             mon.append(one_run(True, args.steps, every, budget, args.root, args.dim))
         print(f"== {label}: {args.steps} steps, {args.repeats} runs each, dim {args.dim}")
         acc = [m["overhead_pct"] for m in mon]
+        cpu = [m["overhead_cpu_pct"] for m in mon]
         print(f"  accounted overhead: {statistics.median(acc):.3f} % of step time (runs {[round(a, 3) for a in acc]});"
-              f" hooks {statistics.median(m['hook_us'] for m in mon):.0f} us per plain step;"
-              f" windows per run {[m['windows'] for m in mon]}")
+              f" in CPU time {statistics.median(cpu):.3f} % (runs {[round(a, 3) for a in cpu]})")
+        print(f"  hooks per plain step: median {statistics.median(m['hook_us'] for m in mon):.0f} us,"
+              f" mean {statistics.median(m['hook_mean_us'] for m in mon):.0f} us wall,"
+              f" mean {statistics.median(m['hook_cpu_us'] for m in mon):.0f} us CPU;"
+              f" windows per run {[m['windows'] for m in mon]}, their cost {[round(m['window_s'], 3) for m in mon]} s")
         for key, name in (("step_s", "wall per step"), ("cpu_s", "CPU per step"), ("fit_s", "whole fit")):
             b = statistics.median(x[key] for x in base)
             m = statistics.median(x[key] for x in mon)

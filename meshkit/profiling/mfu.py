@@ -44,7 +44,8 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -122,7 +123,8 @@ def batch_tokens(batch: Any) -> int:
     if tensor is None:
         raise ValueError(f"MFUMonitor: cannot count tokens in a batch of type {type(batch).__name__}; "
                          "pass `tokens_fn=lambda batch: <tokens in it>`.")
-    return int(tensor[..., :-1].numel()) if shifted else int(tensor.numel())
+    n = tensor.numel()
+    return n - n // tensor.shape[-1] if shifted else n  # shifted: B·(T + 1) - B
 
 
 def _batch_seq_len(batch: Any) -> int | None:
@@ -267,8 +269,9 @@ class MFUMonitor(Callback):
         profile_budget: the largest share of training time the profiler windows may take (default
             0.5 %, so that with the per-step timers the monitor stays under 1 %). Each
             window's cost is measured (its steps' slow-down, trace export, analysis and TensorBoard
-            writing, the slowest rank's) and the next window waits at least
-            ``cost / (profile_budget · step time)`` batches, never fewer than ``profile_every``.
+            writing, the slowest rank's); the next window starts ``profile_every`` batches on, or later,
+            so that all windows together (the next one counted at the last one's cost) stay within
+            ``profile_budget`` of the training time (batches × the median plain step).
             ``None``: a window every ``profile_every`` batches whatever it costs.
         log_every: log scalars every this many batches (default: the Trainer's log_every_n_steps).
         trace_dir: where traces go (default ``<log_dir>/profiler``; ``meshkit analyze`` reads them, and

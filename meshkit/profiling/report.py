@@ -55,7 +55,7 @@ __all__ = [
     "text_table",
     "overlap_markdown",
     "straggler_lines",
-    "waterfall_figure",
+    "waterfall_image",
     "figure_to_array",
     "write_layout",
     "write_window",
@@ -111,14 +111,22 @@ def step_scalars(mfu: float, hfu: float, fractions: Mapping[str, float], *, step
     >>> s["MFU/mfu_pct"], s["MFU_breakdown_pct/other"], s["mfu/points_lost_pct/other"]
     (25.0, 50.0, 25.0)
     """
-    p = SCALAR_PREFIX
-    out = {MFU_TAG: 100.0 * mfu, HFU_TAG: 100.0 * hfu, f"{p}/tflops_per_device": tflops_per_device,
-           f"{p}/hardware_tflops_per_device": hardware_tflops_per_device, f"{p}/tokens_per_s": tokens_per_s,
-           f"{p}/tokens_per_s_per_device": tokens_per_s_per_device, f"{p}/step_time_ms": 1e3 * step_time_s}
-    out.update({breakdown_tag(k): 100.0 * fractions.get(k, 0.0) for k in BREAKDOWN_PARTS})
+    t = _STEP_TAGS
+    out = {MFU_TAG: 100.0 * mfu, HFU_TAG: 100.0 * hfu, t[0]: tflops_per_device, t[1]: hardware_tflops_per_device,
+           t[2]: tokens_per_s, t[3]: tokens_per_s_per_device, t[4]: 1e3 * step_time_s}
+    for k, tag in _BREAKDOWN_TAGS:
+        out[tag] = 100.0 * fractions.get(k, 0.0)
     lost = points_lost(fractions, mfu)
-    out.update({points_lost_tag(k): v for k, v in lost.items() if k != "ideal"})
+    for k, tag in _LOST_TAGS:
+        out[tag] = lost[k]
     return out
+
+
+# every step logs these: their names are made once
+_STEP_TAGS = tuple(f"{SCALAR_PREFIX}/{n}" for n in ("tflops_per_device", "hardware_tflops_per_device", "tokens_per_s",
+                                                     "tokens_per_s_per_device", "step_time_ms"))
+_BREAKDOWN_TAGS = tuple((k, breakdown_tag(k)) for k in BREAKDOWN_PARTS)
+_LOST_TAGS = tuple((k, points_lost_tag(k)) for k in BREAKDOWN_PARTS[1:])
 
 
 def where_to_look(logdir: str) -> str:
@@ -265,48 +273,57 @@ def straggler_lines(result: Mapping[str, Any], max_rows: int = 5, *, markdown: b
     return lines
 
 
-def waterfall_figure(fractions: Mapping[str, float], mfu: float, title: str = "MFU waterfall"):
-    """A horizontal waterfall, top to bottom: ideal MFU (compute at its own rate), the MFU points each part
-    loses (a bar ending where the previous one started; parts that lose under 0.005 points are left out,
-    the table lists every part), the achieved MFU; every bar labelled with its value.
+_WATERFALL_SIZE = (720, 405)
+"""Pixels (W, H): 16:9 with large type, for where TensorBoard shows it (a TIME SERIES card fits the image
+into about 380 × 215 px and the IMAGES dashboard into 350 px of width, both without smoothing)."""
+_BLUE, _RED, _GREEN, _INK = (76, 114, 176), (196, 78, 82), (85, 168, 104), (26, 26, 26)
 
-    Sized for where TensorBoard shows it: a TIME SERIES card fits the image into about 380 × 215 px and
-    the IMAGES dashboard into 350 px of width, both without smoothing, so the figure is 16:9 with large
-    type rather than wide with small type."""
-    import matplotlib
 
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+def waterfall_image(fractions: Mapping[str, float], mfu: float, title: str = "MFU waterfall") -> np.ndarray:
+    """A horizontal waterfall as an (H, W, 3) uint8 image, top to bottom: ideal MFU (compute at its own
+    rate), the MFU points each part loses (a bar ending where the previous one started; parts that lose
+    under 0.005 points are left out, the table lists every part), the achieved MFU; every bar labelled.
+
+    Drawn with Pillow (a few ms, no matplotlib import): it is rendered in every profiler window, whose
+    cost is MFUMonitor's overhead.
+
+    >>> img = waterfall_image({"compute": 0.8, "other": 0.2}, 0.4)
+    >>> img.shape, img.dtype.name
+    ((405, 720, 3), 'uint8')
+    """
+    from PIL import Image, ImageDraw, ImageFont
 
     lost = points_lost(fractions, mfu)
     parts = [p for p in BREAKDOWN_PARTS[1:] if lost[p] >= 0.005]
     labels = ["ideal"] + parts + ["achieved"]
-    fig = Figure(figsize=(7.2, 4.05), dpi=100)
-    ax = fig.add_subplot(1, 1, 1)
+    size = 19 if len(labels) <= 7 else 16
+    font, small = ImageFont.load_default(size=size), ImageFont.load_default(size=size - 3)
+    w, h = _WATERFALL_SIZE
+    img = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((w / 2, 4), title, font=small, fill=_INK, anchor="ma")
+    caption = "MFU, % of peak (bars: MFU points lost)"
+    draw.text((w / 2, h - 4), caption, font=small, fill=_INK, anchor="md")
+    left = 12 + max(draw.textlength(label, font=font) for label in labels)
+    top, bottom = 12 + size, h - 12 - size
+    row = (bottom - top) / len(labels)
     ideal, achieved = lost["ideal"], 100 * mfu
-    font = 15 if len(labels) <= 7 else 12
-    ax.barh(0, ideal, color="#4c72b0", height=0.7)
-    ax.text(ideal, 0, f" {ideal:.2f} %", va="center", ha="left", fontsize=font)
+    scale = (w - left - 8) / (2.1 * max(ideal, achieved, 1e-9))  # room for the labels right of the bars
+
+    def bar(i: int, x0: float, x1: float, colour: tuple[int, int, int], text: str) -> None:
+        y = top + (i + 0.5) * row
+        draw.rectangle((left + scale * x0, y - 0.35 * row, left + scale * x1, y + 0.35 * row), fill=colour)
+        draw.text((left + scale * x1 + 4, y), text, font=font, fill=_INK, anchor="lm")
+        draw.text((left - 8, y), labels[i], font=font, fill=_INK, anchor="rm")
+
+    bar(0, 0.0, ideal, _BLUE, f"{ideal:.2f} %")
     level = ideal
     for i, p in enumerate(parts, start=1):
-        ax.barh(i, -lost[p], left=level, color="#c44e52", height=0.7)
-        ax.text(level, i, f" −{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)", va="center",
-                ha="left", fontsize=font)
+        bar(i, level - lost[p], level, _RED, f"-{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)")
         level -= lost[p]
-    ax.barh(len(labels) - 1, achieved, color="#55a868", height=0.7)
-    ax.text(achieved, len(labels) - 1, f" {achieved:.2f} %", va="center", ha="left", fontsize=font,
-            fontweight="bold")
-    ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels(labels, fontsize=font)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 2.1 * max(ideal, achieved, 1e-9))  # room for the labels right of the bars
-    ax.set_xticks([])
-    for side in ("top", "right", "bottom"):
-        ax.spines[side].set_visible(False)
-    ax.set_xlabel("MFU, % of peak (bars: MFU points lost)", fontsize=font - 2)
-    ax.set_title(title, fontsize=font - 2)
-    fig.tight_layout(pad=0.4)
-    return fig
+    bar(len(labels) - 1, 0.0, achieved, _GREEN, f"{achieved:.2f} %")
+    draw.line((left, top, left, bottom), fill=_INK, width=1)
+    return np.asarray(img)
 
 
 def figure_to_array(fig) -> np.ndarray:
@@ -336,7 +353,7 @@ def write_window(writer: Any, step: int, fractions: Mapping[str, float], mfu: fl
     if overlap is not None:
         text += "\n\n" + overlap_markdown(overlap)
     writer.add_text(TABLE_TAG, text, step)
-    writer.add_image(WATERFALL_TAG, figure_to_array(waterfall_figure(fractions, mfu, title)), step,
+    writer.add_image(WATERFALL_TAG, waterfall_image(fractions, mfu, title), step,
                      dataformats="HWC")
     writer.add_scalar(window_tag("mfu_pct"), 100.0 * mfu, step)
     writer.add_scalar(window_tag("step_time_ms"), 1e3 * step_time_s, step)

@@ -5,15 +5,18 @@ and stop the profiler (1 warm-up + ``steps`` active batches), write meshkit's ph
 the trace (``meshkit:forward_backward``, ``meshkit:optimizer``, ``meshkit:validation``,
 ``meshkit:checkpoint``: the spans :mod:`meshkit.profiling.overlap`'s step model reads), export the
 trace to ``rank{R}.{first_batch}.pt.trace.json``, parse it **once** into per-step buckets, and
-space the windows so that their measured cost stays within a budget.
+space the windows so that their measured cost, all windows together, stays within a budget of the
+training time.
 
 Example::
 
     >>> w = ProfilerWindows("/tmp/prof", rank=0, every=100, start=5, steps=2, budget=0.005)
     >>> w.due(batch=5), w.due(batch=4)
     (True, False)
-    >>> w.next_gap(cost_s=0.5, step_s=0.1)   # 0.5 s / (0.5 % of 0.1 s) = 1000 batches
-    1000
+    >>> w.first = 5                          # (set by start(5))
+    >>> w.schedule(cost_s=0.5, step_s=0.1)   # this window and the next: 1 s, 0.5 % of 2000 batches of 0.1 s
+    >>> w.next_batch
+    2000
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ class ProfilerWindows:
         self.first = -1
         self.history: list[dict[str, float]] = []
         """Per finished window: batch, cost_s, step_s, next_batch."""
+        self.spent_s = 0.0
+        """What every finished window cost, together (s)."""
         self._prof: Any = None
         self._seen = 0
         self._t0 = 0.0
@@ -170,14 +175,14 @@ class ProfilerWindows:
         """This window's cost so far: wall time since its start minus its batches at ``step_s`` each."""
         return max(time.perf_counter() - self._t0 - (1 + self.steps) * step_s, 0.0)
 
-    def next_gap(self, cost_s: float, step_s: float) -> int:
-        """Batches until the next window: ``every``, or more so that ``cost / gap`` stays within budget."""
-        gap = self.every
-        if self.budget is not None and step_s > 0:
-            gap = max(gap, math.ceil(cost_s / (self.budget * step_s)))
-        return gap
-
     def schedule(self, cost_s: float, step_s: float) -> None:
-        """Record the finished window (cost agreed across ranks) and set the next one's batch."""
-        self.next_batch = self.first + self.next_gap(cost_s, step_s)
+        """Record the finished window (cost agreed across ranks) and set the next one's batch: ``every``
+        batches on, or later, so that all windows together, the next one included, stay within ``budget`` of
+        the training time at its end (``spent_s ≤ budget · batches · step_s``; only the first window, at
+        ``start``, comes before any budget has accrued)."""
+        self.spent_s += cost_s
+        self.next_batch = self.first + self.every
+        if self.budget is not None and step_s > 0:
+            # the next window is paid for when it starts: it will cost about what the last one did
+            self.next_batch = max(self.next_batch, math.ceil((self.spent_s + cost_s) / (self.budget * step_s)))
         self.history.append({"batch": self.first, "cost_s": cost_s, "step_s": step_s, "next_batch": self.next_batch})

@@ -90,9 +90,9 @@ def test_table_waterfall_and_scalars_show_the_same_window(tb_run):
     fractions, mfu = {p: v / 100 for p, v in pct.items()}, mfu_pct / 100
     (img_event,) = [e for e in acc.Images(R.WATERFALL_TAG) if e.step == step]
     img = np.asarray(Image.open(io.BytesIO(img_event.encoded_image_string)).convert("RGB")).astype(int)
-    same = R.figure_to_array(R.waterfall_figure(fractions, mfu, title)).astype(int)
+    same = R.waterfall_image(fractions, mfu, title).astype(int)
     moved = dict(fractions, compute=fractions["compute"] - 0.05, other=fractions["other"] + 0.05)
-    other = R.figure_to_array(R.waterfall_figure(moved, mfu, title)).astype(int)
+    other = R.waterfall_image(moved, mfu, title).astype(int)
     assert img.shape == same.shape
     assert np.abs(img - same).mean() < 0.5 < np.abs(img - other).mean()
     assert "peak FLOP/s: measured" in text  # the CPU peak says where it comes from

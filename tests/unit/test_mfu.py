@@ -79,7 +79,7 @@ def test_report_layer(tmp_path):
     table = R.markdown_table(fr, mfu=0.4, step_time_s=0.5)
     assert "| exposed_comm | 0.00 % | 0.00 | 0.000 |" in table and "**40.00 %**" in table
     assert "| other | 20.00 % | 10.00 | 100.000 |" in table  # ideal 50 % x 0.2 ; 0.5 s x 0.2
-    img = R.figure_to_array(R.waterfall_figure(fr, 0.4))
+    img = R.waterfall_image(fr, 0.4)
     assert img.ndim == 3 and img.shape[2] == 3 and img.dtype == np.uint8
     layout = R.breakdown_layout()
     assert list(layout) == [R.LAYOUT_TITLE]
