@@ -296,32 +296,31 @@ def waterfall_image(fractions: Mapping[str, float], mfu: float, title: str = "MF
     lost = points_lost(fractions, mfu)
     parts = [p for p in BREAKDOWN_PARTS[1:] if lost[p] >= 0.005]
     labels = ["ideal"] + parts + ["achieved"]
-    size = 19 if len(labels) <= 7 else 16
-    font, small = ImageFont.load_default(size=size), ImageFont.load_default(size=size - 3)
+    ideal, achieved = lost["ideal"], 100 * mfu
+    # (row label, bar start, bar end, colour, value text), in MFU percent
+    rows = [("ideal", 0.0, ideal, _BLUE, f"{ideal:.2f} %")]
+    level = ideal
+    for p in parts:
+        rows.append((p, level - lost[p], level, _RED, f"-{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)"))
+        level -= lost[p]
+    rows.append(("achieved", 0.0, achieved, _GREEN, f"{achieved:.2f} %"))
+    size = 24 if len(labels) <= 7 else 20
+    font, small = ImageFont.load_default(size=size), ImageFont.load_default(size=size - 4)
     w, h = _WATERFALL_SIZE
     img = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(img)
     draw.text((w / 2, 4), title, font=small, fill=_INK, anchor="ma")
-    caption = "MFU, % of peak (bars: MFU points lost)"
-    draw.text((w / 2, h - 4), caption, font=small, fill=_INK, anchor="md")
-    left = 12 + max(draw.textlength(label, font=font) for label in labels)
-    top, bottom = 12 + size, h - 12 - size
-    row = (bottom - top) / len(labels)
-    ideal, achieved = lost["ideal"], 100 * mfu
-    scale = (w - left - 8) / (2.1 * max(ideal, achieved, 1e-9))  # room for the labels right of the bars
-
-    def bar(i: int, x0: float, x1: float, colour: tuple[int, int, int], text: str) -> None:
-        y = top + (i + 0.5) * row
-        draw.rectangle((left + scale * x0, y - 0.35 * row, left + scale * x1, y + 0.35 * row), fill=colour)
+    draw.text((w / 2, h - 4), "MFU, % of peak (bars: MFU points lost)", font=small, fill=_INK, anchor="md")
+    left = 14 + max(draw.textlength(label, font=font) for label in labels)
+    top, bottom = 10 + size, h - 10 - size
+    step = (bottom - top) / len(rows)
+    room = w - left - 6  # every bar and its value text fit: the scale is set by the tightest row
+    scale = min((room - 4 - draw.textlength(text, font=font)) / max(x1, 1e-9) for _, _, x1, _, text in rows)
+    for i, (label, x0, x1, colour, text) in enumerate(rows):
+        y = top + (i + 0.5) * step
+        draw.rectangle((left + scale * x0, y - 0.35 * step, left + scale * x1, y + 0.35 * step), fill=colour)
         draw.text((left + scale * x1 + 4, y), text, font=font, fill=_INK, anchor="lm")
-        draw.text((left - 8, y), labels[i], font=font, fill=_INK, anchor="rm")
-
-    bar(0, 0.0, ideal, _BLUE, f"{ideal:.2f} %")
-    level = ideal
-    for i, p in enumerate(parts, start=1):
-        bar(i, level - lost[p], level, _RED, f"-{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)")
-        level -= lost[p]
-    bar(len(labels) - 1, 0.0, achieved, _GREEN, f"{achieved:.2f} %")
+        draw.text((left - 8, y), label, font=font, fill=_INK, anchor="rm")
     draw.line((left, top, left, bottom), fill=_INK, width=1)
     return np.asarray(img)
 
