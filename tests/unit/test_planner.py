@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 
@@ -598,6 +599,41 @@ def test_cli_json_shape(capsys):
     assert json.loads(out)["best"]["matmul_efficiency"] == 1.0
 
 
+def test_cli_overrides_every_fitted_constant_and_the_split(capsys):
+    # Each CALIBRATION constant (and the pipeline split) can be set from the command line; the values reach plan()
+    # unchanged (the JSON's inputs) and the named layout equals the one plan() gives from Python with them.
+    flags = {"--achieved-fraction": 0.55, "--ridge-scale": 0.2, "--comm-efficiency": 0.9,
+             "--attention-fraction": 0.4, "--tp-overlap": 0.25}
+    argv = CLI_70B[:-2] + [x for k, v in flags.items() for x in (k, str(v))] + [
+        "--pipeline-split", "balanced", "--top", "1", "--json", "--layout", "pp=8,tp=8,schedule=1f1b"]
+    rc, out = _cli(argv, capsys)
+    data = json.loads(out)
+    assert rc == 0
+    for flag, value in flags.items():
+        if flag == "--achieved-fraction":  # recorded as the rate it sets
+            assert data["inputs"]["achieved_tflops"] == pytest.approx(value * data["inputs"]["peak_tflops"])
+        else:
+            assert data["inputs"][flag[2:].replace("-", "_")] == value
+    assert data["inputs"]["pipeline_split"] == ["balanced"] and data["layout"]["pipeline_split"] == "balanced"
+    kwargs = {k[2:].replace("-", "_"): v for k, v in flags.items()}
+    named = plan(ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, params=70e9),
+                 seq_len=4096, global_batch=256, nodes=8, pipeline_split="balanced", layout="pp=8,tp=8,schedule=1f1b",
+                 **kwargs).named
+    assert data["layout"] == {**named.to_dict(), "rank": data["layout"]["rank"], "vs_best": data["layout"]["vs_best"]}
+    assert named.losses_s["tp"] > 0 and data["layout"]["losses_s"]["tp"] == pytest.approx(named.losses_s["tp"], rel=1e-6)
+    with pytest.raises(ValueError, match="tp_overlap=1.5"):
+        _cli(CLI_70B + ["--tp-overlap", "1.5", "--top", "1"], capsys)
+    # --dropout (a GPT block): Korthikanti's two 1-byte masks per element come back, 2·s·h/t per layer with SP
+    rc, out = _cli(CLI_70B + ["--dropout", "--top", "1", "--json", "--layout", "pp=8,tp=8,schedule=1f1b,ac=none"],
+                   capsys)
+    gpt = json.loads(out)
+    rc, out = _cli(CLI_70B + ["--top", "1", "--json", "--layout", "pp=8,tp=8,schedule=1f1b,ac=none"], capsys)
+    llama = json.loads(out)
+    assert gpt["inputs"]["dropout"] and not llama["inputs"]["dropout"]
+    masks = 2 * 4096 * 8192 / 8 * 10 * 8  # 10 layers on stage 0, 8 micro-batches in flight (1F1B)
+    assert gpt["layout"]["activation_gb"] - llama["layout"]["activation_gb"] == pytest.approx(masks / GiB, abs=1e-5)
+
+
 def test_cli_table_and_infeasible_exit_code(capsys):
     rc, out = _cli(CLI_70B + ["--top", "3"], capsys)
     assert rc == 0
@@ -757,16 +793,22 @@ def test_calibration_rows_within_five_points_and_constants_are_the_fit():
 
     held_out = [row for row in cal.PUBLISHED if not row.fit]
     assert held_out and any(row.fit for row in cal.PUBLISHED)
-    misses = {}
+    misses, step_errors = {}, {True: [], False: []}
     for row in cal.PUBLISHED:
         if row.mfu is None:
             continue
-        err = cal.evaluate_run(row).predicted_mfu - row.mfu
-        if abs(err) > 0.05:
-            misses[row.name] = round(100 * err, 1)
-    # Issue 15's goal: every row (fit and held out) within ±5 MFU points, but the one documented miss.
+        predicted = cal.evaluate_run(row).predicted_mfu
+        if abs(predicted - row.mfu) > 0.05:
+            misses[row.name] = round(100 * (predicted - row.mfu), 1)
+        step_errors[row.fit].append(row.mfu / predicted - 1)  # published step time / predicted, less 1
+    # Issue 15's goal: every row (fit and held out) within ±5 MFU points; KNOWN_MISSES lists any that is not.
     assert misses == {}
     assert set(misses) == set(cal.KNOWN_MISSES)
+    # The tie rule's band is inside the model's own error: the fit rows' RMS step-time error is 5.6 % (held out:
+    # 6.5 %), so two layouts within ERROR_BAND (5 %) of each other are not told apart by this model.
+    rms = {fit: math.sqrt(sum(e * e for e in errs) / len(errs)) for fit, errs in step_errors.items()}
+    assert rms[True] == pytest.approx(0.056, abs=0.001) and rms[False] == pytest.approx(0.065, abs=0.001)
+    assert 0.5 * rms[True] <= pl.ERROR_BAND <= rms[True]
     # the shipped constants are the optimum of the fit rows among their neighbours on the fit grid
     c = pl.CALIBRATION
     grid = [pl.Calibration(a, c.ridge_scale, e, c.attention_fraction, o)
@@ -875,7 +917,16 @@ def test_calibration_vs_best_of_a_published_layout():
     row = next(r for r in cal.PUBLISHED if r.name == "megatron-314b")
     lay = cal.evaluate_run(row, rank=True)
     assert lay.rank >= 1 and 1.0 <= lay.vs_best <= 1.10
-    # the seed's 70B TP8 × PP8 1F1B on 64 GPUs (the cheap row to rank): 1.104, a hair over the 1.10 goal, all of it
-    # the exposed half of tp = 8's traffic (benchmarks/planner_calibration.py ranks every row: 11 of 13 within 1.10)
-    seed = cal.evaluate_run(next(r for r in cal.PUBLISHED if r.name == "seed-70b-64gpu"), rank=True)
+    # the seed's 70B TP8 × PP8 1F1B on 64 GPUs (the cheap row to rank): 1.104, a hair over the 1.10 goal
+    # (benchmarks/planner_calibration.py ranks every row: 12 of 13 within 1.10). Not a tie-rule gap: it is 1.12× the
+    # fastest layout, outside the 5 % band and the fit rows' 5.6 % RMS error; the whole difference from the best is
+    # the exposed half of tp = 8's traffic (tp_overlap 0.5, fitted on Megatron-LM's rows) against tp = 2 × cp = 2.
+    row = next(r for r in cal.PUBLISHED if r.name == "seed-70b-64gpu")
+    p = plan(row.model, seq_len=row.seq_len, global_batch=row.global_batch, nodes=row.nodes, peak_tflops=989.4,
+             layout=row.layout)
+    seed, best = p.named, p.best
     assert seed.vs_best == pytest.approx(1.104, abs=0.005)
+    assert seed.step_time_s / min(lay.step_time_s for lay in p.feasible) > 1 + pl.ERROR_BAND
+    assert (best.tp, best.cp) == (2, 2)
+    tp_gap = seed.losses_s["tp"] - best.losses_s["tp"]
+    assert tp_gap == pytest.approx(seed.step_time_s - best.step_time_s, rel=0.05)

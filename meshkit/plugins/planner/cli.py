@@ -30,6 +30,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=None)
     g.add_argument("--ffn", type=int, default=None, help="SwiGLU hidden size (default: from --params, else 4·hidden)")
     g.add_argument("--vocab", type=int, default=32000)
+    g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
+                   help="the blocks have dropout (GPT, Megatron-LM's defaults: 1-byte masks in the activations); "
+                        "Llama-style models have none (default off)")
     g = parser.add_argument_group("batch")
     g.add_argument("--seq-len", type=int, required=True)
     g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
@@ -89,7 +92,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """``meshkit plan``: print the ranked layouts (or JSON); exit 1 when none fits."""
     # a ValueError propagates: meshkit.cli prints `meshkit plan: error: ...` on stderr, exit 2
     model = ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                      ffn=args.ffn, vocab=args.vocab, params=args.params)
+                      ffn=args.ffn, vocab=args.vocab, params=args.params, dropout=args.dropout)
     result = plan(model, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                   nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
                   intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,

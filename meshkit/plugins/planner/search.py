@@ -776,7 +776,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
               "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
               "ridge_scale": ridge_scale, "comm_efficiency": comm_efficiency,
               "attention_fraction": attention_fraction, "tp_overlap": tp_overlap, "optimizer_bytes": optimizer_bytes,
-              "sequence_parallel": sequence_parallel, "ffn_derived": mdl.ffn_derived}
+              "sequence_parallel": sequence_parallel, "pipeline_split": list(ctx.splits),
+              "dropout": mdl.dropout, "ffn_derived": mdl.ffn_derived}
     result = Plan(layouts, rejected, inputs, removed, tie_break=tie_break)
     if named_fields is not None:
         result.named = _evaluate_named(ctx, named_fields, result)
