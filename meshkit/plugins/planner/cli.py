@@ -13,7 +13,7 @@ import json
 
 from meshkit.plugins.planner.costs import CALIBRATION, GPU_TABLE, SCHEDULES
 from meshkit.plugins.planner.explain import compare, header
-from meshkit.plugins.planner.model import CHECKPOINTING, ModelSpec
+from meshkit.plugins.planner.model import CHECKPOINTING, PIPELINE_SPLITS, ModelSpec
 from meshkit.plugins.planner.search import plan
 from meshkit.schedules import canonical_schedule
 
@@ -30,6 +30,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int, default=None)
     g.add_argument("--ffn", type=int, default=None, help="SwiGLU hidden size (default: from --params, else 4·hidden)")
     g.add_argument("--vocab", type=int, default=32000)
+    g.add_argument("--dropout", action=argparse.BooleanOptionalAction, default=False,
+                   help="the blocks have dropout (GPT, Megatron-LM's defaults: 1-byte masks in the activations); "
+                        "Llama-style models have none (default off)")
     g = parser.add_argument_group("batch")
     g.add_argument("--seq-len", type=int, required=True)
     g.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
@@ -52,6 +55,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ridge-scale", type=float, default=None,
                    help=f"kernel-shape ridge as a share of --roofline-ridge (default {CALIBRATION.ridge_scale:g}, "
                         "fitted)")
+    g.add_argument("--attention-fraction", type=float, default=None,
+                   help="fused attention's rate as a share of the matmuls' (default "
+                        f"{CALIBRATION.attention_fraction:g}, fitted)")
+    g.add_argument("--tp-overlap", type=float, default=None,
+                   help=f"share of the TP collectives hidden behind the GEMMs, 0..1 (default {CALIBRATION.tp_overlap:g}, "
+                        "fitted; 0: all exposed, e.g. without async TP)")
     g.add_argument("--roofline-ridge", type=float, default=None,
                    help="FLOP/byte at which a kernel's memory time equals its math time; sets how much small "
                         "per-GPU matmuls and attention chunks slow down (default peak / HBM bandwidth, 295 on "
@@ -62,6 +71,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", type=canonical_schedule, default=None,
                    help=f"pipeline schedule, one of {', '.join(SCHEDULES)} or an alias (default: try all)")
     g.add_argument("--activation-checkpointing", choices=CHECKPOINTING + ("auto",), default="auto")
+    g.add_argument("--pipeline-split", choices=PIPELINE_SPLITS + ("auto",), default="even",
+                   help="how a pipeline spreads the blocks: even, or balanced (the embedding and the output layer "
+                        "take a block's slot each, as Llama 3 trained); auto tries both (default even)")
     g.add_argument("--optimizer-bytes", type=float, default=16.0, help="model-state bytes per parameter (AdamW: 16)")
     g.add_argument("--margin", type=float, default=0.10, help="memory kept free (fraction)")
     g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -80,13 +92,15 @@ def run_cli(args: argparse.Namespace) -> int:
     """``meshkit plan``: print the ranked layouts (or JSON); exit 1 when none fits."""
     # a ValueError propagates: meshkit.cli prints `meshkit plan: error: ...` on stderr, exit 2
     model = ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                      ffn=args.ffn, vocab=args.vocab, params=args.params)
+                      ffn=args.ffn, vocab=args.vocab, params=args.params, dropout=args.dropout)
     result = plan(model, seq_len=args.seq_len, global_batch=args.global_batch, micro_batch=args.micro_batch,
                   nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu=args.gpu, memory_gb=args.memory_gb,
                   intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, peak_tflops=args.peak_tflops,
                   achieved_tflops=args.achieved_tflops, roofline_ridge=args.roofline_ridge,
                   achieved_fraction=args.achieved_fraction, comm_efficiency=args.comm_efficiency,
-                  ridge_scale=args.ridge_scale, sequence_parallel=args.sequence_parallel, layout=args.layout,
+                  ridge_scale=args.ridge_scale, attention_fraction=args.attention_fraction,
+                  tp_overlap=args.tp_overlap, pipeline_split=args.pipeline_split,
+                  sequence_parallel=args.sequence_parallel, layout=args.layout,
                   zero_stage=args.zero, schedule=args.schedule,
                   activation_checkpointing=args.activation_checkpointing,
                   optimizer_bytes=args.optimizer_bytes, memory_margin=args.margin,

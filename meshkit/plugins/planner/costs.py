@@ -140,16 +140,22 @@ def _peak_flops(spec: GpuSpec | None, device: str, dtype: str) -> float:
 
 
 @functools.lru_cache(maxsize=4096)  # pure; a search asks the same few thousand times
-def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2) -> float:
-    """Micro-batches whose activations the busiest (first) stage holds at once, in units of one stage's layers.
+def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 2,
+                          stage: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``stage`` holds at once, in units of that rank's layers
+    (the default, the first rank, holds the most).
 
     GPipe (Huang et al. 2019): all m. 1F1B (Narayanan et al. 2021 §2.2): p − s on stage s, so p on the first.
-    Interleaved 1F1B with v chunks per stage: p·(1 + (p−1)/(p·v)) (Korthikanti et al. 2022 §4.2.3), at most m
-    (with m = p the first rank's warm-up, 2(p−1) + (v−1)·p chunks, covers all m·v: every forward runs first).
+    Interleaved 1F1B with v chunks per rank: rank s runs (v−1)·p + 2(p−s−1) warm-up chunk forwards and one more
+    before its first backward (Megatron-LM's schedule), (v−1)·p + 2(p−s−1) + 1 chunks of 1/v of its layers:
+    p·(1 + (p−1−2s)/(p·v)) micro-batches, on the first rank Korthikanti et al. 2022 §4.2.3's p·(1 + (p−1)/(p·v));
+    at most m (with m = p the first rank's warm-up covers all m·v chunks: every forward runs first).
     Zero bubble ZB-H1 (Qi et al. 2023 §3): the same peak as 1F1B. No pipeline: one micro-batch.
 
     >>> inflight_microbatches("1f1b", 4, 16), inflight_microbatches("interleaved", 4, 16, 2)
     (4, 5.5)
+    >>> inflight_microbatches("1f1b", 4, 16, stage=3), inflight_microbatches("interleaved", 4, 16, 2, stage=3)
+    (1, 2.5)
     """
     if pp == 1 or schedule == "none":
         return 1
@@ -157,9 +163,9 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
     if name == "gpipe":
         return microbatches
     if name in ("1f1b", "interleaved_zero_bubble"):
-        return min(pp, microbatches)
+        return min(pp - stage, microbatches)
     if name == "interleaved_1f1b":  # never more than all m micro-batches (warm-up ≥ m·v chunks: all forwards first)
-        return min(microbatches, pp * (1 + (pp - 1) / (pp * virtual_stages)))
+        return min(microbatches, pp * (1 + (pp - 1 - 2 * stage) / (pp * virtual_stages)))
     raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
 
 

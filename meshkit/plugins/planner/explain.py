@@ -135,9 +135,11 @@ def header(plan: Plan) -> list[str]:
     if inp.get("ffn_derived"):
         lines.append(f"ffn={inp['ffn']}: derived from the parameter count and rounded up to a multiple of "
                      f"{FFN_MULTIPLE} as SwiGLU models are built (pass --ffn for the real width)")
-    lines.append("activations: " + ("sequence parallel, s·b·h·(10 + 8 + 6f/h)/t per layer"
+    whole = "10" if inp.get("dropout") else "8"  # norms' and matmul inputs 8, plus two dropout masks if any
+    lines.append("activations: " + (f"sequence parallel, s·b·h·({whole} + 8 + 6f/h)/t per layer"
                                     if inp.get("sequence_parallel") else
-                                    "no sequence parallelism, s·b·h·(10 + (8 + 6f/h)/t) per layer"))
+                                    f"no sequence parallelism, s·b·h·({whole} + (8 + 6f/h)/t) per layer")
+                 + ("" if inp.get("dropout") else " (no dropout masks)"))
     for axis, rule in plan.removed_axes.items():
         lines.append(f"no layout has {axis} > 1: {rule}")
     return lines

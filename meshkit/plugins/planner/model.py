@@ -27,12 +27,19 @@ __all__ = [
     "round_ffn",
     "model_state_bytes",
     "zero3_buffer_bytes",
+    "zero_buffer_bytes",
+    "PIPELINE_SPLITS",
+    "stage_layers",
     "activation_bytes_per_layer",
     "training_flops_per_token",
 ]
 
 GiB = float(2**30)
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+PIPELINE_SPLITS: tuple[str, ...] = ("even", "balanced")
+"""How a pipeline spreads the layers over its stages (:func:`stage_layers`): "even" splits the L blocks alone;
+"balanced" counts the embedding and the output layer as one block each (L + 2 slots), so the first and the last
+stage hold one block fewer (Llama 3, arXiv 2407.21783 §3.3.2; torchtitan's ``input_weight``/``output_weight``)."""
 FFN_MULTIPLE = 256
 """SwiGLU widths are built as multiples of this (Llama's ``multiple_of=256``: 14336, 28672, 53248)."""
 
@@ -76,6 +83,10 @@ class ModelSpec:
     """Total parameters; when given, every count derived from the shape is scaled to it."""
     tied_embeddings: bool = False
     """Input embedding and output projection share one matrix."""
+    dropout: bool = False
+    """Dropout after attention and after the MLP, each keeping a 1-byte mask per activation (GPT's and Megatron-LM's
+    default ``hidden_dropout=0.1``). Llama-style decoders have no dropout layer (Meta's reference ``llama/model.py``),
+    so their activations lack Korthikanti's 2·s·b·h of masks (:func:`activation_bytes_per_layer`)."""
     ffn_derived: bool = field(default=False, init=False, compare=False, repr=False)
     """True when ``ffn`` was derived from ``params`` (and rounded) rather than given."""
 
@@ -221,10 +232,47 @@ def zero3_buffer_bytes(layer_params: float, param_bytes: float = 2.0, grad_bytes
     return layer_params * (2 * param_bytes + grad_bytes)
 
 
+def zero_buffer_bytes(layer_params: float, zero_stage: int, param_bytes: float = 2.0, grad_bytes: float = 2.0) -> float:
+    """Working memory a ZeRO stage adds beyond :func:`model_state_bytes`, for blocks of ``layer_params`` on this GPU.
+
+    ZeRO-3: :func:`zero3_buffer_bytes`. ZeRO-2 (FSDP without resharding after forward, Llama 3's): each block's
+    unsharded gradient exists from its backward until its reduce-scatter, one block at a time. ZeRO-0/1 keep the
+    whole gradient, already in the model states: nothing more.
+
+    >>> zero_buffer_bytes(1e6, 2), zero_buffer_bytes(1e6, 1)
+    (2000000.0, 0.0)
+    """
+    if zero_stage == 3:
+        return zero3_buffer_bytes(layer_params, param_bytes, grad_bytes)
+    return layer_params * grad_bytes if zero_stage == 2 else 0.0
+
+
+def stage_layers(layers: int, pp: int, split: str = "even") -> tuple[int, int]:
+    """Transformer blocks on ``(an end stage, a middle stage)`` of a ``pp``-stage pipeline: at most that many.
+
+    "even": ⌈L/p⌉ on every stage (the end stages also hold the embedding or the output layer). "balanced" (Llama 3,
+    arXiv 2407.21783 §3.3.2: "we reduce one Transformer layer each from the first and the last stages"): the
+    embedding and the output layer each take one block's slot, L + 2 slots, ⌈(L + 2)/p⌉ per stage, so an end stage
+    holds one block fewer. Llama 3 405B on 16 stages: 128 slots, 7 blocks on the end stages, 8 in the middle.
+
+    >>> stage_layers(126, 16), stage_layers(126, 16, "balanced"), stage_layers(80, 1, "balanced")
+    ((8, 8), (7, 8), (80, 80))
+    """
+    if split not in PIPELINE_SPLITS:
+        raise ValueError(f"stage_layers: `split={split!r}` must be one of {PIPELINE_SPLITS}.")
+    if pp == 1:
+        return layers, layers
+    if split == "even":
+        per = math.ceil(layers / pp)
+        return per, per
+    per = math.ceil((layers + 2) / pp)
+    return per - 1, per
+
+
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, *,
                                sequence_parallel: bool = False, attention_scores: bool = True,
                                checkpointing: str = "none", ffn: int | None = None,
-                               kv_heads: int | None = None) -> float:
+                               kv_heads: int | None = None, dropout: bool = True) -> float:
     """Activation bytes one transformer layer keeps for backward, for one micro-batch (16-bit activations).
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models":
@@ -238,6 +286,8 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     8 + 6·f/h (the same 24 at Llama's f = 8h/3; 27.5 at Llama-3-405B's f = 3.25h). The attention's 8 is Q, K
     (2 + 2), V (2) and the output projection's input (2); with grouped-query attention (``kv_heads`` = kv < a)
     K and V are kv/a as wide, so it is 4 + 4·kv/a (4.5 for Llama 3 70B's 8 of 64 heads, 4.25 for 405B's 8 of 128).
+    The paper's 10 is the two norms' inputs (4), the inputs of the QKV and first MLP matmuls (2 + 2) and the two
+    dropout masks (1 + 1 byte per element); a model without dropout (``dropout=False``, every Llama) keeps 8.
 
     With FlashAttention (``attention_scores=False``) Korthikanti's selective recomputation saves nothing more, so
     ``checkpointing="selective"`` is then torchtitan's op-level selective AC (its default for Llama 3.1 8B): it keeps
@@ -268,9 +318,10 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
             return 2 * sbh * (1 + (5 + kv + f) / tp)
         return 2 * sbh * (2 + (2 + kv + f) / tp)
     scores = 5 * heads * seq / (hidden * tp) if attention_scores and checkpointing == "none" else 0.0
+    whole = 10.0 if dropout else 8.0  # norms' inputs 4, QKV and MLP inputs 4, dropout masks 2
     if sequence_parallel:
-        return sbh * ((10 + sharded) / tp + scores)
-    return sbh * (10 + sharded / tp + scores)
+        return sbh * ((whole + sharded) / tp + scores)
+    return sbh * (whole + sharded / tp + scores)
 
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -49,13 +48,15 @@ from meshkit.plugins.planner.costs import (
 )
 from meshkit.plugins.planner.model import (
     CHECKPOINTING,
+    PIPELINE_SPLITS,
     GiB,
     ModelSpec,
     _check_positive_int,
     activation_bytes_per_layer,
     model_state_bytes,
     training_flops_per_token,
-    zero3_buffer_bytes,
+    stage_layers,
+    zero_buffer_bytes,
 )
 
 __all__ = [
@@ -75,7 +76,7 @@ __all__ = [
 LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute", "kernels")
 
 
-@dataclass
+@dataclass(slots=True)  # ~5,000 per plan: slots make building and ranking them faster
 class Layout:
     """One layout of the cluster and what the planner predicts for it."""
 
@@ -94,6 +95,9 @@ class Layout:
     """"none", "selective" or "full"."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule); 1 otherwise."""
+    pipeline_split: str = "even"
+    """How the blocks spread over the stages (:data:`PIPELINE_SPLITS`, :func:`stage_layers`); "even" without a
+    pipeline."""
     model_state_gb: float = 0.0
     """Weights, gradients, optimizer state (and ZeRO-3 gather buffers) per GPU."""
     activation_gb: float = 0.0
@@ -164,11 +168,11 @@ class Layout:
         Example::
 
             >>> Layout(1, 1, 8, 1, 8, 0, "1f1b", 256, "none").spec()
-            'dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8,zero=0,schedule=1f1b,v=1,m=256,ac=none'
+            'dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8,zero=0,schedule=1f1b,v=1,m=256,ac=none,split=even'
         """
         return (f"dp_replicate={self.dp_replicate},dp_shard={self.dp_shard},pp={self.pp},cp={self.cp},tp={self.tp},"
                 f"zero={self.zero_stage},schedule={self.schedule},v={self.virtual_stages},m={self.microbatches},"
-                f"ac={self.activation_checkpointing}")
+                f"ac={self.activation_checkpointing},split={self.pipeline_split}")
 
     def describe(self) -> str:
         """Short spelling, e.g. ``dp_shard=128 pp=16 tp=8 zero1 interleaved_1f1b(v=4) m=16 ac=full``."""
@@ -177,6 +181,8 @@ class Layout:
         parts.append(f"zero{self.zero_stage}")
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+            if self.pipeline_split != "even":
+                parts.append(f"split={self.pipeline_split}")
         parts.append(f"m={self.microbatches}")
         if self.activation_checkpointing != "none":
             parts.append(f"ac={self.activation_checkpointing}")
@@ -185,7 +191,7 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         """The JSON record (``meshkit plan --json``)."""
         keys = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero_stage", "schedule", "microbatches",
-                "virtual_stages", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb",
+                "virtual_stages", "pipeline_split", "activation_checkpointing", "model_state_gb", "activation_gb", "memory_gb",
                 "memory_limit_gb", "bubble_fraction", "tp_comm_ratio", "pp_comm_ratio", "cp_comm_ratio",
                 "dp_comm_ratio", "dp_overlap_ok", "tp_intra_node", "cross_node_axes", "matmul_efficiency",
                 "attention_efficiency", "compute_s", "step_time_s", "predicted_mfu", "feasible", "reason")
@@ -234,6 +240,7 @@ class _Ctx:
     schedules: tuple[str, ...]
     checkpointing: tuple[str, ...]
     virtual_stages: tuple[int, ...]
+    splits: tuple[str, ...]
     flash: bool
     sp: bool
     max_pp: int
@@ -350,26 +357,58 @@ def _enumerate(ctx: _Ctx) -> tuple[list[Layout], dict[str, int], dict[str, str]]
 
 
 def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layout]:
-    """Every (zero stage, schedule, checkpointing) variant of one set of degrees, fully evaluated."""
+    """Every (pipeline split, zero stage, schedule, checkpointing) variant of one set of degrees, fully evaluated."""
     mdl, b = ctx.model, ctx.micro
     m = ctx.batch // (b * r * d)
-    shard, s_local, layers_stage = d * c, ctx.seq // c, math.ceil(mdl.layers / p)
-
-    # ---- memory pieces (the busiest stage: the first stage's in-flight activations, plus the vocab matrices) ----
-    vocab_mats = (1 if mdl.tied_embeddings else 2) if p == 1 else 1
-    params_gpu = (layers_stage * ctx.layer_params + vocab_mats * ctx.vocab_params) / t
+    shard, s_local = d * c, ctx.seq // c
     sp = ctx.sp and t > 1
     per_layer = {ac: activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
                                                 attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn,
-                                                kv_heads=mdl.kv_heads)
+                                                kv_heads=mdl.kv_heads, dropout=mdl.dropout)
                  for ac in ctx.checkpointing}
     working = dict.fromkeys(ctx.checkpointing, 0.0)
     # the layer being recomputed holds its full activations once (full, and the op-level selective AC)
     for ac in ("full", "selective") if ctx.flash else ("full",):
         if ac in working:
             working[ac] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                                     attention_scores=False, ffn=mdl.ffn, kv_heads=mdl.kv_heads)
+                                                     attention_scores=False, ffn=mdl.ffn, kv_heads=mdl.kv_heads,
+                                                     dropout=mdl.dropout)
     logits = 8.0 * s_local * b * mdl.vocab / t  # fp32 logits and their gradient for the micro-batch in the loss
+    out: list[Layout] = []
+    for split in ctx.splits if p > 1 else ("even",):
+        out.extend(_split_variants(ctx, r, d, p, c, t, m, split, per_layer, working, logits))
+    return out
+
+
+def _stage_memory_parts(ctx: _Ctx, p: int, t: int, split: str) -> tuple[int, list[tuple[int, int, float, bool]]]:
+    """(blocks on the slowest stage, the stages whose memory can peak: (blocks, pipeline rank, parameters on a GPU,
+    holds the loss's logits)).
+
+    "even": one bound for both end stages, the first stage's ⌈L/p⌉ blocks and in-flight micro-batches plus one
+    vocabulary matrix and the loss's logits (the first stage holds the embedding, the last the output layer and the
+    loss; neither holds more). "balanced" (:func:`stage_layers`): the first stage (embedding, most in flight), the
+    second (a full share of blocks, nearly as many in flight) and the last (output layer, logits), each exactly.
+    """
+    mdl = ctx.model
+    end, mid = stage_layers(mdl.layers, p, split)
+    vocab, layer = ctx.vocab_params, ctx.layer_params
+    if p == 1:
+        return end, [(end, 0, (end * layer + (1 if mdl.tied_embeddings else 2) * vocab) / t, True)]
+    if split == "even":
+        return end, [(end, 0, (end * layer + vocab) / t, True)]
+    stages = [(end, 0, (end * layer + vocab) / t, False), (end, p - 1, (end * layer + vocab) / t, True)]
+    if p > 2:
+        stages.insert(1, (mid, 1, mid * layer / t, False))
+    return mid, stages
+
+
+def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, split: str,
+                    per_layer: dict[str, float], working: dict[str, float], logits: float) -> list[Layout]:
+    """The (zero stage, schedule, checkpointing) variants of one set of degrees and one pipeline split."""
+    mdl, b = ctx.model, ctx.micro
+    shard, s_local = d * c, ctx.seq // c
+    layers_stage, stages = _stage_memory_parts(ctx, p, t, split)
+    params_gpu = max(params for _, _, params, _ in stages)  # the DP traffic of the stage with the most parameters
 
     # ---- communication that does not depend on the variant ----
     # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch; a share
@@ -403,18 +442,24 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
 
     runs: list[tuple[str, int]] = [("none", 1)]
-    if p > 1:  # interleaved needs v·p chunks of ≥ 1 layer and m a multiple of p (Megatron-LM's rule)
+    if p > 1:  # interleaved needs v·p chunks of ≥ 1 slot and m a multiple of p (Megatron-LM's rule)
+        slots = mdl.layers + (2 if split == "balanced" else 0)  # the embedding and the output layer take one each
         runs = [(s, 1) for s in ctx.schedules if s != "interleaved_1f1b"] + [
             ("interleaved_1f1b", v) for v in ctx.virtual_stages
-            if "interleaved_1f1b" in ctx.schedules and mdl.layers >= p * v and m % p == 0]
+            if "interleaved_1f1b" in ctx.schedules and slots >= p * v and m % p == 0]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
-    checkpointing = sorted(ctx.checkpointing, key=CHECKPOINTING.index)  # lightest first (see the loop)
+    # what depends on the checkpointing alone, lightest first (see the loop): compute, exposed TP, CP ratio
+    checkpointing = [(ac, per_layer[ac], working[ac], times.compute[ac],
+                      exposed_tp_time(tp_time[ac], times.compute[ac], ctx.tp_overlap), times.recompute[ac])
+                     for ac in sorted(ctx.checkpointing, key=CHECKPOINTING.index)]
+    limit, limit_gb, intra = ctx.memory, ctx.memory / GiB, tp_link is ctx.intra
+    one_stage = len(stages) == 1
 
     out: list[Layout] = []
     for z in zeros:
-        states = model_state_bytes(params_gpu, z, shard, ctx.optimizer_bytes)
-        if z == 3:
-            states += zero3_buffer_bytes(ctx.layer_params / t)
+        buffer = zero_buffer_bytes(ctx.layer_params / t, z)
+        stage_states = [model_state_bytes(params, z, shard, ctx.optimizer_bytes) + buffer
+                        for _, _, params, _ in stages]
         # DP: per-block collectives (FSDP / ZeRO buckets ~ one per layer) over the shard group, then the replicas.
         over_shard, over_rep = dp_bytes_per_step(params_gpu, z, shard, r, m)
         scatters = m if z >= 2 else 1
@@ -422,7 +467,7 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
         dp_time = (ring_time(over_shard, layers_stage * (scatters + gathers) * (shard - 1), *shard_link)
                    + ring_time(over_rep, layers_stage * (scatters if z else 1) * 2 * (r - 1), *rep_link))
         for sched, v in runs:
-            inflight = inflight_microbatches(sched, p, m, v)
+            inflight = [inflight_microbatches(sched, p, m, v, rank) for _, rank, _, _ in stages]
             bubble = bubble_fraction(sched, p, m, v)
             # one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
             pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
@@ -430,28 +475,31 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
             pp_ratio = pp_comm_ratio(p, mdl.hidden, mdl.layers, rate, pp_link[0], v)
             # lightest checkpointing first; once one fits, the heavier ones only add recompute (never faster,
             # and recompute costs more than the tie band), so they are not evaluated: 1.5x fewer layouts
-            for ac in checkpointing:
-                acts = per_layer[ac] * layers_stage * inflight + working[ac] + logits
+            for ac, act_layer, work, compute, tp_exposed, recompute in checkpointing:
+                if one_stage:  # the even split's one bound (first stage's activations, a vocab matrix, the logits)
+                    states = stage_states[0]
+                    acts = act_layer * stages[0][0] * inflight[0] + work + logits
+                else:  # the stage whose states + activations peak highest
+                    states, acts = max(((st, act_layer * blocks * n + work + (logits if lg else 0.0))
+                                        for st, n, (blocks, _, _, lg) in zip(stage_states, inflight, stages)),
+                                       key=sum)
                 memory = states + acts
-                compute = times.compute[ac]
                 bubble_time = compute * bubble / (1 - bubble)
                 # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3).
                 dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
-                tp_exposed = exposed_tp_time(tp_time[ac], compute, ctx.tp_overlap)
                 step = compute + bubble_time + tp_exposed + pp_time + cp_exposed + dp_exposed
                 out.append(Layout(
-                    r, d, p, c, t, z, sched, m, ac, v,
+                    r, d, p, c, t, z, sched, m, ac, v, split,
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
-                    memory_limit_gb=ctx.memory / GiB, bubble_fraction=bubble, tp_comm_ratio=tp_ratio,
+                    memory_limit_gb=limit_gb, bubble_fraction=bubble, tp_comm_ratio=tp_ratio,
                     pp_comm_ratio=pp_ratio, cp_comm_ratio=cp_time / compute, dp_comm_ratio=dp_time / compute,
-                    dp_overlap_ok=overlap_ok, tp_intra_node=tp_link is ctx.intra, cross_node_axes=cross,
+                    dp_overlap_ok=overlap_ok, tp_intra_node=intra, cross_node_axes=cross,
                     matmul_efficiency=times.matmul_eff,
                     attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
-                    predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= ctx.memory,
-                    losses=(bubble_time, tp_exposed, pp_time, cp_exposed, dp_exposed, times.recompute[ac],
-                            times.kernels),
+                    predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= limit,
+                    losses=(bubble_time, tp_exposed, pp_time, cp_exposed, dp_exposed, recompute, times.kernels),
                 ))
-                if memory <= ctx.memory:
+                if memory <= limit:
                     break
     return out
 
@@ -598,7 +646,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
          achieved_tflops: float | None = None, achieved_fraction: float | None = None, memory_margin: float = 0.10,
          optimizer_bytes: float = 16.0, zero_stage: int | Sequence[int] | None = None,
          activation_checkpointing: str | Sequence[str] = "auto", schedule: str | Sequence[str] = "auto",
-         virtual_stages: Sequence[int] = (2, 4, 8), flash_attention: bool = True, sequence_parallel: bool = True,
+         virtual_stages: Sequence[int] = (2, 4, 8), pipeline_split: str | Sequence[str] = "even",
+         flash_attention: bool = True, sequence_parallel: bool = True,
          dtype: str = "bf16", max_pp: int | None = None, max_cp: int | None = None,
          max_tp: int | None = None, roofline_ridge: float | None = None, ridge_scale: float | None = None,
          comm_efficiency: float | None = None, attention_fraction: float | None = None,
@@ -620,6 +669,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     ``achieved_fraction``, ``ridge_scale``, ``attention_fraction``, ``comm_efficiency`` and ``tp_overlap`` default to :data:`CALIBRATION`, fitted to
     published runs. ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
+    ``pipeline_split`` is how a pipeline spreads the blocks (:func:`stage_layers`): "even" (the default), "balanced"
+    (the embedding and the output layer take a block's slot each, as Llama 3 trained), a list, or "auto" (both).
     ``flash_attention`` drops the s×s score term from the activations (FlashAttention / SDPA never
     stores it); ``sequence_parallel`` shards TP activations over the sequence (Megatron-LM's and torchtitan's
     sequence parallelism; meshkit's strategy takes ``sequence_parallel=True`` for it); without it the
@@ -703,7 +754,9 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
         schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
         checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
-        virtual_stages=tuple(virtual_stages), flash=flash_attention, sp=sequence_parallel,
+        virtual_stages=tuple(virtual_stages),
+        splits=_as_tuple(pipeline_split, PIPELINE_SPLITS, "pipeline_split", PIPELINE_SPLITS),
+        flash=flash_attention, sp=sequence_parallel,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
     )
     named_fields = parse_layout(layout) if layout is not None else None
@@ -723,23 +776,26 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
               "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
               "ridge_scale": ridge_scale, "comm_efficiency": comm_efficiency,
               "attention_fraction": attention_fraction, "tp_overlap": tp_overlap, "optimizer_bytes": optimizer_bytes,
-              "sequence_parallel": sequence_parallel, "ffn_derived": mdl.ffn_derived}
+              "sequence_parallel": sequence_parallel, "pipeline_split": list(ctx.splits),
+              "dropout": mdl.dropout, "ffn_derived": mdl.ffn_derived}
     result = Plan(layouts, rejected, inputs, removed, tie_break=tie_break)
     if named_fields is not None:
         result.named = _evaluate_named(ctx, named_fields, result)
     return result
 
 
-LAYOUT_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero", "schedule", "v", "m", "ac")
+LAYOUT_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero", "schedule", "v", "m", "ac",
+                                  "split")
 """The keys of a named layout (:func:`parse_layout`); the degrees default to 1, the rest to the best choice."""
-_LAYOUT_ALIASES = {"zero_stage": "zero", "virtual_stages": "v", "microbatches": "m", "activation_checkpointing": "ac"}
+_LAYOUT_ALIASES = {"zero_stage": "zero", "virtual_stages": "v", "microbatches": "m", "activation_checkpointing": "ac",
+                   "pipeline_split": "split"}
 
 
 def parse_layout(layout: str | Mapping[str, Any]) -> dict[str, Any]:
     """The fields of a named layout, from ``"dp_replicate=1,dp_shard=1,pp=8,cp=1,tp=8,zero=1,schedule=1f1b"``
     (``meshkit plan --layout``; :meth:`Layout.spec` writes one) or a dict with the same keys. Degrees not named
-    are 1; ``zero``, ``schedule``, ``v`` (stages per rank), ``m`` (micro-batches per step) and ``ac`` not named
-    are left to the planner (the best variant).
+    are 1; ``zero``, ``schedule``, ``v`` (stages per rank), ``m`` (micro-batches per step), ``ac`` and ``split``
+    (:data:`PIPELINE_SPLITS`) not named are left to the planner (the best variant).
 
     Example::
 
@@ -768,6 +824,9 @@ def parse_layout(layout: str | Mapping[str, Any]) -> dict[str, Any]:
         elif key == "ac":
             if value not in CHECKPOINTING:
                 raise ValueError(f"plan: `layout` has `ac={value!r}`; use one of {CHECKPOINTING}.")
+        elif key == "split":
+            if value not in PIPELINE_SPLITS:
+                raise ValueError(f"plan: `layout` has `split={value!r}`; use one of {PIPELINE_SPLITS}.")
         else:
             try:
                 value = int(value)
@@ -804,6 +863,8 @@ def _evaluate_named(ctx: _Ctx, fields: dict[str, Any], result: Plan) -> Layout:
         overrides["virtual_stages"] = (fields["v"],)
     if "ac" in fields:
         overrides["checkpointing"] = (fields["ac"],)
+    if "split" in fields:
+        overrides["splits"] = (fields["split"],)
     sub = dataclasses.replace(ctx, _times={}, **overrides)
     rule = _structural_rule(sub, r, d, p, c, t)
     if rule is not None:
