@@ -398,11 +398,15 @@ def _exit_with_launcher(environment: Any) -> None:
 
     Without this they wait in their next collective until `timeout` (issue 14: orphans alive 100 s
     later). Such a rank runs under the plain LightningEnvironment with LOCAL_RANK > 0 and its parent
-    is a Python process (torchrun and SLURM have their own environments and agents).
+    is a Python process (torchrun and SLURM have their own environments and agents). One watcher per
+    process: a process that runs many fits started one per fit before.
     """
     from lightning.fabric.plugins.environments import LightningEnvironment
 
+    global _launcher_watch
     if type(environment) is not LightningEnvironment or environment.local_rank() == 0:
+        return
+    if _launcher_watch is not None and _launcher_watch.is_alive():
         return
     parent = os.getppid()
     try:
@@ -411,14 +415,20 @@ def _exit_with_launcher(environment: Any) -> None:
     except OSError:  # not Linux, or the parent is gone already
         return
 
+    rank = environment.global_rank()
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
-        print(f"meshkit (rank {environment.global_rank()}): the launching process (rank 0, pid {parent}) died; "
+        print(f"meshkit (rank {rank}): the launching process (rank 0, pid {parent}) died; "
               "exiting.", file=sys.stderr, flush=True)
         os._exit(1)
 
-    threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True).start()
+    _launcher_watch = threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True)
+    _launcher_watch.start()
+
+
+_launcher_watch: Optional[threading.Thread] = None
 
 
 def _is_parallelized(module: nn.Module) -> bool:
