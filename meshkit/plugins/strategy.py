@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -349,7 +350,8 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+        load_file = functools.partial(_ckpt.load_full_checkpoint, self)  # tied names filled in, as for folders
+        return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, load_file)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
