@@ -186,26 +186,44 @@ class NDParallelStrategy(ModelParallelStrategy):
         check_launch(self.num_processes, self.num_nodes, os.environ if external else {}, initialized)
         dims = self._resolve()
         _exit_with_launcher(self.cluster_environment)
+        world = self.num_nodes * self.num_processes
+        env = self.cluster_environment
+        where = f"{env.main_address}:{env.main_port}"
+        missing: list[int] = []
         try:
-            self._setup_distributed()
+            if initialized is None and world > 1:  # who is missing, named, before torch's silent wait
+                rank = self.node_rank * self.num_processes + self.local_rank
+                missing, store = _roll_call(env.main_address, env.main_port, rank, world, self._timeout)
+            if not missing:
+                self._setup_distributed()  # on rank 0 torch's store shares the roll call's server
         except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
             # A timeout, or the store's host giving up first (the peers then see the connection close).
             if not (_is_timeout(e) or isinstance(e, torch.distributed.DistNetworkError)):
                 raise
-            world = self.num_nodes * self.num_processes
-            raise RuntimeError(
-                f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
-                f"{world} processes (`devices={self.num_processes}` × `num_nodes={self.num_nodes}`) were expected at "
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, and not all arrived ({e}). Start "
-                f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
-                f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
-            ) from e
+            raise RuntimeError(self._rendezvous_failed(where, None, e)) from e
+        if missing:
+            raise RuntimeError(self._rendezvous_failed(where, missing))
         dims.build_mesh(self.root_device.type, timeout=self._timeout)  # every sub-group gets `timeout=`
         self._parallel_dims = dims
         self._device_mesh = dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = dims.mesh
         rank_zero_info(f"meshkit: {self.preset.name} layout {dims} on {self.num_nodes} node(s)")
+
+    def _rendezvous_failed(self, where: str, missing: Optional[list[int]], cause: Any = None) -> str:
+        """The error every rank raises when the rendezvous does not complete: who is missing and the fix."""
+        world = self.num_nodes * self.num_processes
+        if missing:
+            arrived = sorted(set(range(world)) - set(missing))
+            who = f"ranks {_ranges(missing)} of {world} did not join at {where} (ranks {_ranges(arrived)} did)"
+        else:  # e.g. the store's host (rank 0) never came up: the others could not even ask
+            who = f"{world} processes were expected at {where}, and not all arrived ({cause})"
+        return (
+            f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
+            f"{who}. `devices={self.num_processes}` × `num_nodes={self.num_nodes}` need {world} processes: start "
+            f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
+            f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
+        )
 
     @property
     @override
@@ -393,6 +411,72 @@ def _timeout_note(exception: BaseException, dims: Optional[ParallelDims], timeou
         "stopped responding (crashed, frozen, out of memory, or it runs other collectives). Look for the rank that "
         "stopped in its own log; raise `timeout=` only if a step legitimately takes longer."
     )
+
+
+_roll_calls = 0  # per process: a second rendezvous on the same store (after destroy_process_group) asks anew
+
+
+_VERDICT_GRACE = timedelta(seconds=30)  # how much later than rank 0 the others may give up waiting for its verdict
+
+
+def _roll_call(address: str, port: int, rank: int, world: int, timeout: Optional[timedelta]) -> tuple[list[int], Any]:
+    """Every rank signs in on the store torch's rendezvous is about to use: ``(ranks that never did, the store)``.
+
+    Rank 0 hosts the TCPStore as torch's ``env://`` rendezvous does (multi-tenant: torch's own store in
+    this process then shares its server, no second port), or, under torchrun's agent store, every
+    rank is a client of the agent's. Keys live under ``meshkit/roll_call/<restart>/<n>/``. Each rank
+    sets its key; rank 0 waits up to ``timeout`` for all ``world`` of them and publishes the missing
+    ranks (none: milliseconds); the others wait for that verdict and tell rank 0 they read it, so
+    every rank raises the same error before rank 0's exit closes the store. Keep the store until the
+    process group exists (rank 0's server lives in it).
+    """
+    global _roll_calls
+    from torch.distributed import TCPStore
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    wait = timeout if timeout is not None else default_pg_timeout
+    store = TCPStore(address, int(port), None, is_master=rank == 0 and not agent, timeout=wait,
+                     wait_for_workers=False, multi_tenant=True)
+    prefix = f"meshkit/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_roll_calls}/"
+    _roll_calls += 1
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+
+    def absent() -> list[int]:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+
+    if rank == 0:
+        missing = [] if _waited(store, keys, wait) else absent()
+        store.set(f"{prefix}verdict", ",".join(map(str, missing)))
+        if missing:  # keep the store up until the others have read it (or a short while)
+            _waited(store, [f"{prefix}read/{r}" for r in range(1, world) if r not in missing], _VERDICT_GRACE)
+        return missing, store
+    if not _waited(store, [f"{prefix}verdict"], wait + _VERDICT_GRACE):
+        return absent(), store  # rank 0 never gave one (it is missing itself, under an agent's store)
+    verdict = store.get(f"{prefix}verdict").decode()
+    store.set(f"{prefix}read/{rank}", "1")
+    return [int(r) for r in verdict.split(",") if r], store
+
+
+def _waited(store: Any, keys: list[str], timeout: timedelta) -> bool:
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:  # DistStoreError: "wait timeout after ...ms"
+        if not _is_timeout(e):
+            raise
+        return False
+    return True
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[2, 3]`` -> ``"2, 3"``; long runs ``[0..7]`` -> ``"0-7"``."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
+            start = None
+    return ", ".join(parts)
 
 
 def _exit_with_launcher(environment: Any) -> None:

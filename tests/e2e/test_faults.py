@@ -72,3 +72,6 @@ def test_rendezvous_that_cannot_complete_fails_within_the_timeout(tmp_path, what
     assert codes[0] not in (None, 0), (elapsed, text)
     assert elapsed < 120, elapsed  # 10 s timeout + two Python/Lightning start-ups on a loaded 2-core box
     assert "rendezvous did not complete within `timeout=0:00:10`" in text and "torchrun --nnodes 2" in text, text
+    # Both started ranks name the two that never came (num_nodes=2 on one node: node 1's ranks 2 and 3).
+    full = (tmp_path / "rank0.log").read_text()  # Lightning's launcher: both ranks write here
+    assert full.count("ranks 2, 3 of 4 did not join at 127.0.0.1:") >= 2 and "(ranks 0, 1 did)" in full, full
