@@ -193,7 +193,8 @@ class NDParallelStrategy(ModelParallelStrategy):
         try:
             if initialized is None and world > 1:  # who is missing, named, before torch's silent wait
                 rank = self.node_rank * self.num_processes + self.local_rank
-                missing, store = _roll_call(env.main_address, env.main_port, rank, world, self._timeout)
+                missing, store = _roll_call(env.main_address, env.main_port, rank, world, self._timeout,
+                                            per_node=self.num_processes)
             if not missing:
                 self._setup_distributed()  # on rank 0 torch's store shares the roll call's server
         except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
@@ -215,7 +216,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         world = self.num_nodes * self.num_processes
         if missing:
             arrived = sorted(set(range(world)) - set(missing))
-            who = f"ranks {_ranges(missing)} of {world} did not join at {where} (ranks {_ranges(arrived)} did)"
+            who = f"{_ranges(missing)} of {world} did not join at {where} ({_ranges(arrived)} did)"
         else:  # e.g. the store's host (rank 0) never came up: the others could not even ask
             who = f"{world} processes were expected at {where}, and not all arrived ({cause})"
         return (
@@ -419,7 +420,9 @@ _roll_calls = 0  # per process: a second rendezvous on the same store (after des
 _VERDICT_GRACE = timedelta(seconds=30)  # how much later than rank 0 the others may give up waiting for its verdict
 
 
-def _roll_call(address: str, port: int, rank: int, world: int, timeout: Optional[timedelta]) -> tuple[list[int], Any]:
+def _roll_call(
+    address: str, port: int, rank: int, world: int, timeout: Optional[timedelta], per_node: int = 1
+) -> tuple[list[int], Any]:
     """Every rank signs in on the store torch's rendezvous is about to use: ``(ranks that never did, the store)``.
 
     Rank 0 hosts the TCPStore as torch's ``env://`` rendezvous does (multi-tenant: torch's own store in
@@ -427,8 +430,10 @@ def _roll_call(address: str, port: int, rank: int, world: int, timeout: Optional
     rank is a client of the agent's. Keys live under ``meshkit/roll_call/<restart>/<n>/``. Each rank
     sets its key; rank 0 waits up to ``timeout`` for all ``world`` of them and publishes the missing
     ranks (none: milliseconds); the others wait for that verdict and tell rank 0 they read it, so
-    every rank raises the same error before rank 0's exit closes the store. Keep the store until the
-    process group exists (rank 0's server lives in it).
+    every rank raises the same error before rank 0's exit closes the store. Rank 0 also waits (up to
+    ``_VERDICT_GRACE``) for its node's ``per_node`` ranks that came late (a slow start-up under
+    Lightning's launcher), so they too read the verdict. Keep the store until the process group
+    exists (rank 0's server lives in it).
     """
     global _roll_calls
     from torch.distributed import TCPStore
@@ -448,8 +453,9 @@ def _roll_call(address: str, port: int, rank: int, world: int, timeout: Optional
     if rank == 0:
         missing = [] if _waited(store, keys, wait) else absent()
         store.set(f"{prefix}verdict", ",".join(map(str, missing)))
-        if missing:  # keep the store up until the others have read it (or a short while)
-            _waited(store, [f"{prefix}read/{r}" for r in range(1, world) if r not in missing], _VERDICT_GRACE)
+        if missing:  # keep the store up until the others (and late node-mates) have read it, or a short while
+            readers = [r for r in range(1, world) if r not in missing or r < per_node]
+            _waited(store, [f"{prefix}read/{r}" for r in readers], _VERDICT_GRACE)
         return missing, store
     if not _waited(store, [f"{prefix}verdict"], wait + _VERDICT_GRACE):
         return absent(), store  # rank 0 never gave one (it is missing itself, under an agent's store)
@@ -469,14 +475,14 @@ def _waited(store: Any, keys: list[str], timeout: timedelta) -> bool:
 
 
 def _ranges(ranks: list[int]) -> str:
-    """``[2, 3]`` -> ``"2, 3"``; long runs ``[0..7]`` -> ``"0-7"``."""
+    """``[2, 3]`` -> ``"ranks 2, 3"``, ``[0]`` -> ``"rank 0"``, long runs ``[0..7]`` -> ``"ranks 0-7"``."""
     parts, start = [], None
     for i, r in enumerate(ranks):
         start = r if start is None else start
         if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
             parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
             start = None
-    return ", ".join(parts)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
 
 
 def _exit_with_launcher(environment: Any) -> None:
