@@ -77,6 +77,8 @@ __all__ = [
     "tied_aliases",
     "without_tied_aliases",
     "tied_load_plan",
+    "with_tied_aliases",
+    "load_full_checkpoint",
     "TIED_WEIGHTS",
     "configure_parser",
     "run_cli",
@@ -361,6 +363,8 @@ def save_checkpoint(strategy: Any, checkpoint: dict[str, Any], filepath: Any) ->
                 if path.is_dir():  # a sharded checkpoint of the same name
                     os.rename(path, old)
 
+            # One FQN per tied parameter, as in the DCP folder below (their names: checkpoint[TIED_WEIGHTS]).
+            checkpoint["state_dict"] = without_tied_aliases(checkpoint, getattr(strategy, "lightning_module", None))
             _publish_file(path, lambda f: torch.save(checkpoint, f), make_room)
             _remove(old)
         strategy.barrier()
@@ -648,6 +652,19 @@ def without_tied_aliases(checkpoint: dict[str, Any], module: Optional[nn.Module]
     return {k: v for k, v in checkpoint.pop("state_dict").items() if k not in aliases}
 
 
+def with_tied_aliases(
+    state: dict[str, Any], module: nn.Module, saved_aliases: dict[str, str]
+) -> dict[str, Any]:
+    """A full state dict saved by :func:`without_tied_aliases`, with every name ``module`` has.
+
+    The file's one entry of a tied parameter is filled in under its other names: the model's own
+    aliases (tied: the same parameter, loaded twice) and the checkpoint's (untied: the head gets the
+    embedding, as :func:`tied_load_plan` does for a folder).
+    """
+    sources = {**tied_aliases(module), **saved_aliases}
+    return {**state, **{k: state[v] for k, v in sources.items() if k not in state and v in state}}
+
+
 def tied_load_plan(
     full: dict[str, Any], module: nn.Module, saved_aliases: dict[str, str]
 ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -695,7 +712,8 @@ def _check_full_file(path: Path) -> None:
 def load_checkpoint(
     strategy: Any, checkpoint_path: Any, weights_only: Optional[bool], fallback: Callable[..., dict[str, Any]]
 ) -> dict[str, Any]:
-    """The strategy's ``load_checkpoint``: a folder via :func:`load_sharded_checkpoint`, a file via ``fallback``.
+    """The strategy's ``load_checkpoint``: a folder via :func:`load_sharded_checkpoint`, a file via ``fallback``
+    (the strategy passes :func:`load_full_checkpoint`) once it is verified.
 
     ``weights_only`` defaults to True: never unpickle arbitrary objects from a checkpoint's metadata.
     A crash in the middle of a publish is repaired first (rank 0), so ``NAME`` is the newest complete copy.
@@ -717,6 +735,37 @@ def load_checkpoint(
     verify_file(path)
     _check_full_file(path)
     return fallback(path, weights_only=weights_only)
+
+
+def load_full_checkpoint(strategy: Any, path: Any, weights_only: bool) -> dict[str, Any]:
+    """A single-file checkpoint (``save_distributed_checkpoint=False``): model, optimizers; returns the rest.
+
+    Lightning's own full-file load, with the tied names filled in first (:func:`with_tied_aliases`): a
+    file stores a tied parameter once, and loads into the model tied or untied, as a DCP folder does.
+
+    Example::
+
+        >>> meta = load_full_checkpoint(strategy, "last.ckpt", weights_only=True)  # doctest: +SKIP
+    """
+    from lightning.fabric.strategies.model_parallel import _load_raw_module_state, _rekey_optimizer_state_if_needed
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    module, strict = strategy.model, strategy.lightning_module.strict_loading
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    saved = checkpoint["state_dict"]
+    state = with_tied_aliases(checkpoint.pop("state_dict"), module, checkpoint.get(TIED_WEIGHTS, {}))
+    untied = set(state) - set(saved) - set(tied_aliases(module))  # an untied head from a tied checkpoint
+    _load_raw_module_state(state, module, strict=strict)  # Lightning's loader (lightning 2.6), one call per module
+    opts = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict and not untied)
+    for optimizer, optimizer_state in zip(strategy.optimizers, checkpoint.get("optimizer_states", [])):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if not optimizer_state["state"]:  # e.g. SGD without momentum: Lightning's rekeying and torch's load both fail
+            for group, saved_group in zip(optimizer.param_groups, optimizer_state["param_groups"]):
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+            continue
+        optimizer_state = _rekey_optimizer_state_if_needed(optimizer_state, module)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state, options=opts)
+    return checkpoint
 
 def optimizer_state(strategy: Any, optimizer: Any, fallback: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """The strategy's ``optimizer_state``: FQN-keyed under DCP (pipeline stages' states never collide), else ``fallback``.

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -97,6 +98,7 @@ class ParallelDims:
                 " Change one of them, or pass `dp_shard=-1` to fill the rest."
             )
         self._mesh: DeviceMesh | None = None
+        self._world: Any = None  # the default process group the mesh was built on
 
     # ---- one-line properties ------------------------------------------------------------------
     @property
@@ -165,26 +167,27 @@ class ParallelDims:
         ``timeout`` reaches every sub-group the mesh creates (torch gives them its 30 min default
         otherwise, whatever the default group's timeout): a collective that waits on a frozen or dead
         rank fails after ``timeout`` on every axis.
-        """
-        if self._mesh is not None:
-            return self._mesh
-        from torch.distributed.device_mesh import init_device_mesh
 
+        One mesh per layout and process: a later ``build_mesh`` with the same degrees, order, device
+        type and timeout on the same default group returns the same mesh and its groups
+        (:data:`_MESHES`), so a process that runs many fits does not add ~10 groups (~30 threads) per fit.
+        """
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        if self._mesh is not None and self._world is world:
+            return self._mesh
+        for stale in [k for k, (w, _, _) in _MESHES.items() if w() is not world]:  # its default group is gone
+            del _MESHES[stale]
         shape = tuple(getattr(self, a) for a in self.order)
-        backend = _backend_with_timeout(timeout)
-        override = {a: backend for a in self.order} if backend is not None else None
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=self.order, backend_override=override)
-        # Flattened axes, kept here rather than sliced from the root again (torch deprecates that).
-        # DeviceMesh._flatten is private; checked on torch 2.6-2.13.
-        self._flat = {
-            "dp": mesh[("dp_replicate", "dp_shard")]._flatten("dp", backend_override=backend),
-            "dp_shard_cp": mesh[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=backend),
-            "dp_cp": mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp", backend_override=backend),
-        }
-        for alias, axes in LIGHTNING_ALIASES.items():  # registered on the root: mesh["tensor_parallel"] works
-            mesh[axes]._flatten(alias)
-        self._mesh = mesh
-        return mesh
+        key = (device_type, shape, self.order, timeout)
+        if world is None or key not in _MESHES:  # None: init_device_mesh starts the default group itself
+            mesh, flat = _new_mesh(device_type, shape, self.order, timeout)
+            world = dist.group.WORLD
+            _MESHES[key] = (weakref.ref(world), mesh, flat)
+        _, self._mesh, self._flat = _MESHES[key]
+        self._world = world
+        return self._mesh
 
     @property
     def mesh(self) -> "DeviceMesh":
@@ -213,6 +216,39 @@ class ParallelDims:
             warnings.simplefilter("ignore", UserWarning)
             return mesh[("dp_replicate", "dp_shard_cp")]
 
+
+
+_MESHES: "dict[tuple, tuple[weakref.ref, DeviceMesh, dict[str, DeviceMesh]]]" = {}
+"""(device type, shape, order, timeout) -> (the default group, the mesh, its flattened axes).
+
+torch.distributed keeps every group until ``destroy_process_group`` and torch's DTensor caches
+(``_redistribute._planner_cache``, the sharding propagator's) keep every mesh alive, so a new mesh per
+fit is never freed: a process running fits one after another (a sweep, a notebook, a test pool)
+grew by 10 groups, ~30 threads, per hsdp_tp fit. Reusing the layout's mesh bounds them by the number
+of layouts. Its groups are never destroyed by meshkit: the trained model, ``trainer.strategy``,
+``validate``/``test``/``save_checkpoint`` after ``fit`` all still use them.
+"""
+
+
+def _new_mesh(
+    device_type: str, shape: tuple[int, ...], order: tuple[str, ...], timeout: "timedelta | None"
+) -> "tuple[DeviceMesh, dict[str, DeviceMesh]]":
+    """The mesh (every sub-group with ``timeout``) and its flattened axes, built on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = _backend_with_timeout(timeout)
+    override = {a: backend for a in order} if backend is not None else None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=order, backend_override=override)
+    # Flattened axes, kept here rather than sliced from the root again (torch deprecates that).
+    # DeviceMesh._flatten is private; checked on torch 2.6-2.13.
+    flat = {
+        "dp": mesh[("dp_replicate", "dp_shard")]._flatten("dp", backend_override=backend),
+        "dp_shard_cp": mesh[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=backend),
+        "dp_cp": mesh[("dp_replicate", "dp_shard", "cp")]._flatten("dp_cp", backend_override=backend),
+    }
+    for alias, axes in LIGHTNING_ALIASES.items():  # registered on the root: mesh["tensor_parallel"] works
+        mesh[axes]._flatten(alias)
+    return mesh, flat
 
 
 def _backend_with_timeout(timeout: "timedelta | None") -> "tuple[str, Any] | None":

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -185,26 +186,45 @@ class NDParallelStrategy(ModelParallelStrategy):
         check_launch(self.num_processes, self.num_nodes, os.environ if external else {}, initialized)
         dims = self._resolve()
         _exit_with_launcher(self.cluster_environment)
+        world = self.num_nodes * self.num_processes
+        env = self.cluster_environment
+        where = f"{env.main_address}:{env.main_port}"
+        missing: list[int] = []
         try:
-            self._setup_distributed()
+            if initialized is None and world > 1:  # who is missing, named, before torch's silent wait
+                rank = self.node_rank * self.num_processes + self.local_rank
+                missing, store = _roll_call(env.main_address, env.main_port, rank, world, self._timeout,
+                                            per_node=self.num_processes)
+            if not missing:
+                self._setup_distributed()  # on rank 0 torch's store shares the roll call's server
         except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
             # A timeout, or the store's host giving up first (the peers then see the connection close).
             if not (_is_timeout(e) or isinstance(e, torch.distributed.DistNetworkError)):
                 raise
-            world = self.num_nodes * self.num_processes
-            raise RuntimeError(
-                f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
-                f"{world} processes (`devices={self.num_processes}` × `num_nodes={self.num_nodes}`) were expected at "
-                f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}, and not all arrived ({e}). Start "
-                f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
-                f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
-            ) from e
+            raise RuntimeError(self._rendezvous_failed(where, None, e)) from e
+        if missing:
+            raise RuntimeError(self._rendezvous_failed(where, missing))
         dims.build_mesh(self.root_device.type, timeout=self._timeout)  # every sub-group gets `timeout=`
         self._parallel_dims = dims
         self._device_mesh = dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = dims.mesh
         rank_zero_info(f"meshkit: {self.preset.name} layout {dims} on {self.num_nodes} node(s)")
+
+    def _rendezvous_failed(self, where: str, missing: Optional[list[int]], cause: Any = None) -> str:
+        """The error every rank raises when the rendezvous does not complete: who is missing and the fix."""
+        world = self.num_nodes * self.num_processes
+        if missing:
+            arrived = sorted(set(range(world)) - set(missing))
+            who = f"{_ranges(missing)} of {world} did not join at {where} ({_ranges(arrived)} did)"
+        else:  # e.g. the store's host (rank 0) never came up: the others could not even ask
+            who = f"{world} processes were expected at {where}, and not all arrived ({cause})"
+        return (
+            f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
+            f"{who}. `devices={self.num_processes}` × `num_nodes={self.num_nodes}` need {world} processes: start "
+            f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
+            f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
+        )
 
     @property
     @override
@@ -351,7 +371,8 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, super().load_checkpoint)
+        load_file = functools.partial(_ckpt.load_full_checkpoint, self)  # tied names filled in, as for folders
+        return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, load_file)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -395,16 +416,91 @@ def _timeout_note(exception: BaseException, dims: Optional[ParallelDims], timeou
     )
 
 
+_roll_calls = 0  # per process: a second rendezvous on the same store (after destroy_process_group) asks anew
+
+
+_VERDICT_GRACE = timedelta(seconds=30)  # how much later than rank 0 the others may give up waiting for its verdict
+
+
+def _roll_call(
+    address: str, port: int, rank: int, world: int, timeout: Optional[timedelta], per_node: int = 1
+) -> tuple[list[int], Any]:
+    """Every rank signs in on the store torch's rendezvous is about to use: ``(ranks that never did, the store)``.
+
+    Rank 0 hosts the TCPStore as torch's ``env://`` rendezvous does (multi-tenant: torch's own store in
+    this process then shares its server, no second port), or, under torchrun's agent store, every
+    rank is a client of the agent's. Keys live under ``meshkit/roll_call/<restart>/<n>/``. Each rank
+    sets its key; rank 0 waits up to ``timeout`` for all ``world`` of them and publishes the missing
+    ranks (none: milliseconds); the others wait for that verdict and tell rank 0 they read it, so
+    every rank raises the same error before rank 0's exit closes the store. Rank 0 also waits (up to
+    ``_VERDICT_GRACE``) for its node's ``per_node`` ranks that came late (a slow start-up under
+    Lightning's launcher), so they too read the verdict. Keep the store until the process group
+    exists (rank 0's server lives in it).
+    """
+    global _roll_calls
+    from torch.distributed import TCPStore
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    wait = timeout if timeout is not None else default_pg_timeout
+    store = TCPStore(address, int(port), None, is_master=rank == 0 and not agent, timeout=wait,
+                     wait_for_workers=False, multi_tenant=True)
+    prefix = f"meshkit/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_roll_calls}/"
+    _roll_calls += 1
+    keys = [f"{prefix}{r}" for r in range(world)]
+    store.set(keys[rank], "1")
+
+    def absent() -> list[int]:
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+
+    if rank == 0:
+        missing = [] if _waited(store, keys, wait) else absent()
+        store.set(f"{prefix}verdict", ",".join(map(str, missing)))
+        if missing:  # keep the store up until the others (and late node-mates) have read it, or a short while
+            readers = [r for r in range(1, world) if r not in missing or r < per_node]
+            _waited(store, [f"{prefix}read/{r}" for r in readers], _VERDICT_GRACE)
+        return missing, store
+    if not _waited(store, [f"{prefix}verdict"], wait + _VERDICT_GRACE):
+        return absent(), store  # rank 0 never gave one (it is missing itself, under an agent's store)
+    verdict = store.get(f"{prefix}verdict").decode()
+    store.set(f"{prefix}read/{rank}", "1")
+    return [int(r) for r in verdict.split(",") if r], store
+
+
+def _waited(store: Any, keys: list[str], timeout: timedelta) -> bool:
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:  # DistStoreError: "wait timeout after ...ms"
+        if not _is_timeout(e):
+            raise
+        return False
+    return True
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[2, 3]`` -> ``"ranks 2, 3"``, ``[0]`` -> ``"rank 0"``, long runs ``[0..7]`` -> ``"ranks 0-7"``."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
+            start = None
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
 def _exit_with_launcher(environment: Any) -> None:
     """Ranks that Lightning's own launcher started exit when rank 0 (their parent) dies.
 
     Without this they wait in their next collective until `timeout` (issue 14: orphans alive 100 s
     later). Such a rank runs under the plain LightningEnvironment with LOCAL_RANK > 0 and its parent
-    is a Python process (torchrun and SLURM have their own environments and agents).
+    is a Python process (torchrun and SLURM have their own environments and agents). One watcher per
+    process: a process that runs many fits started one per fit before.
     """
     from lightning.fabric.plugins.environments import LightningEnvironment
 
+    global _launcher_watch
     if type(environment) is not LightningEnvironment or environment.local_rank() == 0:
+        return
+    if _launcher_watch is not None and _launcher_watch.is_alive():
         return
     parent = os.getppid()
     try:
@@ -413,14 +509,20 @@ def _exit_with_launcher(environment: Any) -> None:
     except OSError:  # not Linux, or the parent is gone already
         return
 
+    rank = environment.global_rank()
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
-        print(f"meshkit (rank {environment.global_rank()}): the launching process (rank 0, pid {parent}) died; "
+        print(f"meshkit (rank {rank}): the launching process (rank 0, pid {parent}) died; "
               "exiting.", file=sys.stderr, flush=True)
         os._exit(1)
 
-    threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True).start()
+    _launcher_watch = threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True)
+    _launcher_watch.start()
+
+
+_launcher_watch: Optional[threading.Thread] = None
 
 
 def _is_parallelized(module: nn.Module) -> bool:

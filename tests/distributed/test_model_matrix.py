@@ -292,3 +292,92 @@ def test_tied_checkpoint_has_one_fqn_and_loads_tied_or_untied(pool, tmp_path_fac
     assert untied["tied"] == []  # the head is its own parameter, loaded with the saved embedding
     want = {**saved, "model.lm_head.weight": saved["model.model.embed_tokens.weight"]}
     T.assert_params_close(untied["params"], want, rtol=0)
+
+
+def _threads() -> tuple[int, int]:
+    import os
+    import threading
+
+    return threading.active_count(), len(os.listdir("/proc/self/task"))  # Python threads; all (gloo's are C++)
+
+
+def _fits_in_one_process(rank: int, world: int) -> dict:
+    """Two hsdp_tp fits of new models, then the first Trainer fits again: threads after each, params after all."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    import meshkit
+
+    T.launcher_env(rank, world)
+    runs, threads = [], []
+    for seed in range(2):
+        module = T.build_module(seed=seed)
+        trainer = L.Trainer(
+            accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(dp_shard=2, tp=2), logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, max_steps=1,
+        )
+        trainer.fit(module, DataLoader(T.tokens(T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+        runs.append((trainer, module))
+        threads.append(_threads())
+    trainer, module = runs[0]
+    trainer.fit_loop.epoch_loop.max_steps = 2  # fit again on the same Trainer: one more step on the same mesh
+    trainer.fit(module, DataLoader(T.tokens(T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH))
+    threads.append(_threads())
+    meshes = {id(t.strategy.parallel_dims.mesh) for t, _ in runs}
+    return {"threads": threads, "steps": trainer.global_step, "meshes": len(meshes),
+            "first_params": len(T.full_params(module))}  # the first model's groups still work after later fits
+
+
+def test_fits_in_one_process_keep_the_thread_count(pool):
+    # Each gloo group holds ~3 threads; each fit used to build a new mesh (10 groups) that nothing freed: the
+    # pool's workers reached ~1,000 threads. A layout's mesh is now built once per process and reused.
+    for r in pool.run(_fits_in_one_process):
+        assert r["threads"][1:] == [r["threads"][0]] * 2, r["threads"]
+        assert r["steps"] == 2 and r["meshes"] == 1 and r["first_params"] > 0
+
+
+def _file_trainer(rank: int, world: int):
+    import lightning as L
+
+    import meshkit
+
+    T.launcher_env(rank, world)
+    strategy = meshkit.NDParallelStrategy(dp_shard=2, tp=2, save_distributed_checkpoint=False)
+    return L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, max_steps=1,
+    )
+
+
+def _single_file_tied(rank: int, world: int, path: str) -> dict:
+    """1 hsdp_tp step of tied Qwen2 saved as one file; loaded back into it (zeroed) and into an untied Qwen2."""
+    from torch.utils.data import DataLoader
+
+    from meshkit.plugins.checkpointing import TIED_WEIGHTS
+
+    data = DataLoader(T.tokens(T.PER_RANK_BATCH * world), batch_size=T.PER_RANK_BATCH)
+    module = H.build("qwen2")
+    trainer = _file_trainer(rank, world)
+    trainer.fit(module, data)
+    trainer.save_checkpoint(path)
+    saved = T.full_params(module)
+    file = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.zero_()
+    trainer.strategy.load_checkpoint(path)
+    tied = T.full_params(module)
+    untied = H.build("qwen2", seed=1, overrides=UNTIED)
+    _file_trainer(rank, world).fit(untied, data, ckpt_path=path)
+    return {"keys": set(file["state_dict"]), "aliases": file[TIED_WEIGHTS], "saved": saved, "tied": tied,
+            "untied": T.full_params(untied), "untied_names": H._tied_names(untied)}
+
+
+def test_single_file_checkpoint_stores_a_tied_weight_once_and_loads_tied_or_untied(pool, tmp_path_factory):
+    r = pool.run(_single_file_tied, str(tmp_path_factory.mktemp("tied_file") / "tied.ckpt"))[0]
+    emb, head = "model.model.embed_tokens.weight", "model.lm_head.weight"
+    assert emb in r["keys"] and head not in r["keys"]  # one name, as the DCP folder stores it
+    assert r["aliases"] == {head: emb}
+    T.assert_params_close(r["tied"], r["saved"], rtol=0)
+    assert r["untied_names"] == []
+    T.assert_params_close(r["untied"], {**r["saved"], head: r["saved"][emb]}, rtol=0)

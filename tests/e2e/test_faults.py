@@ -3,6 +3,7 @@ started another job than the Trainer describes, a rendezvous that cannot complet
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -72,3 +73,8 @@ def test_rendezvous_that_cannot_complete_fails_within_the_timeout(tmp_path, what
     assert codes[0] not in (None, 0), (elapsed, text)
     assert elapsed < 120, elapsed  # 10 s timeout + two Python/Lightning start-ups on a loaded 2-core box
     assert "rendezvous did not complete within `timeout=0:00:10`" in text and "torchrun --nnodes 2" in text, text
+    # Both started ranks name the ranks that never came (num_nodes=2 on one node: node 1's ranks 2 and 3; rank 1,
+    # the launcher's child, may itself start later than rank 0's 10 s on a loaded box: then "ranks 1-3 ... (rank 0 did)").
+    full = (tmp_path / "rank0.log").read_text()  # Lightning's launcher: both ranks write here
+    named = re.findall(r"ranks (2, 3|1-3) of 4 did not join at 127\.0\.0\.1:\d+ \((ranks 0, 1|rank 0) did\)", full)
+    assert len(named) >= 2 and len(set(named)) == 1, full
