@@ -25,8 +25,8 @@ must be in that dict before the first ``Trainer(strategy=...)``, and not a momen
   every Lightning module it needs is complete, while in the middle of Lightning's own import
   (where ``lightning.pytorch.strategies`` finishes) it would meet half-initialised modules.
   ``import lightning.pytorch`` always runs ``lightning/__init__`` first, so both spellings are covered.
-  When ``meshkit.plugins`` is what imports Lightning (``meshkit.NDParallelStrategy`` used first), its
-  strategy module is half-built at that moment, so the hook also watches ``meshkit.plugins`` and
+  When ``meshkit.plugins.strategy`` is what imports Lightning (``meshkit.NDParallelStrategy`` used first),
+  it is half-built at that moment, so the hook also watches ``meshkit.plugins.strategy`` and
   registers at the end of whichever of the two finishes last. Until then the finder costs two string
   comparisons per import.
 
@@ -114,7 +114,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-_WATCHED = ("lightning", "meshkit.plugins")  # the hook registers once both have finished importing
+_WATCHED = ("lightning", "meshkit.plugins.strategy")  # the hook registers once both have finished importing
 _loading: set[str] = set()  # watched packages whose __init__ is running now
 
 
@@ -125,8 +125,8 @@ def _register_presets() -> None:
 
 
 def _register_if_ready() -> None:
-    """Register when Lightning is loaded and meshkit.plugins is not half-way through its own import
-    (meshkit.plugins imports Lightning itself: then its end, not Lightning's, is the moment)."""
+    """Register when Lightning is loaded and meshkit.plugins.strategy is not half-way through its own import
+    (it imports Lightning itself: then its end, not Lightning's, is the moment)."""
     if "lightning" in sys.modules and not _loading:
         for finder in [f for f in sys.meta_path if type(f).__name__ == _RegisterAfterLightning.__name__]:
             sys.meta_path.remove(finder)  # one shot

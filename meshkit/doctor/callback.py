@@ -24,6 +24,7 @@ import os
 import re
 import statistics
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -86,7 +87,7 @@ class Doctor(Callback):
             dist.all_gather_object(nodes, node)
             self._node_of = [int(n) for n in nodes]
             if dist.get_backend() != "gloo":  # a host-side probe must not drain the device queue
-                self._probe_group = dist.new_group(backend="gloo")
+                self._probe_group = _gloo_probe_group()
         self._dims = _parallel_dims(trainer.strategy)
         if self._dims is not None:
             self._grid = checks.rank_grid(self._dims.degrees, self._dims.order)
@@ -391,3 +392,16 @@ def _batch_hash(batch: Any) -> str:
 def _batch_size(batch: Any) -> int | None:
     ts = _tensors(batch)
     return int(ts[0].shape[0]) if ts and ts[0].dim() >= 1 else None
+
+
+_PROBE: list[Any] = [None, None]  # (weak reference to the default group, the gloo group made on it)
+
+
+def _gloo_probe_group() -> Any:
+    """One gloo group over all ranks per default group (a collective the first time): a process that runs
+    many fits does not add a group, and its threads, per fit."""
+    ref, group = _PROBE
+    if ref is None or ref() is not dist.group.WORLD:
+        group = dist.new_group(backend="gloo")
+        _PROBE[:] = [weakref.ref(dist.group.WORLD), group]
+    return group

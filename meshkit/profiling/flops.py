@@ -35,7 +35,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import torch
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu, normalize_dtype, normalize_name, register_gpu, rows
 from meshkit.modelspec import TransformerShape, read_shape
@@ -168,11 +167,13 @@ def cpu_peak_key(dtype: Any = "fp32", threads: int | None = None) -> str:
     >>> cpu_peak_key("fp32", 1).count("|")
     4
     """
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     threads = torch.get_num_threads() if threads is None else threads
     return f"{_cpu_model()}|cores={os.cpu_count()}|{normalize_dtype(dtype)}|threads={threads}|torch={torch.__version__}"
 
 
 def _calibrate_cpu(dtype: torch.dtype, n: int = 256, min_time_s: float = 0.05) -> float:
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     torch.mm(a, b)  # warm-up
@@ -230,6 +231,7 @@ def measured_cpu_peak(dtype: Any = "fp32", *, recalibrate: bool = False) -> floa
     (four at once measured 62 GFLOP/s where one alone measures 97–103). This is a *measured*
     peak, not a datasheet one: MFU on CPU is relative to what torch's matmul reaches.
     """
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     key = normalize_dtype(dtype)
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(key, torch.float32)
     threads = torch.get_num_threads()
@@ -359,6 +361,7 @@ def _fake_clone(model: torch.nn.Module, mode: Any) -> torch.nn.Module:
     # deepcopy with every parameter and buffer pre-mapped to a fake twin (same device, no storage):
     # no real memory is copied, kernels are chosen as for the real device (e.g. CPU flash attention),
     # and activation recompute in backward runs on the same fake weights.
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(mode.from_tensor(p.detach()), requires_grad=p.requires_grad)
@@ -376,6 +379,7 @@ def _fake_mode() -> Any:
 
 
 def _to_fake(x: Any, mode: Any) -> Any:
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     if isinstance(x, torch.Tensor):
         return mode.from_tensor(x)
     if isinstance(x, (list, tuple)):
@@ -411,6 +415,7 @@ def _local_shapes(formula: Callable[..., int], tally: dict[str, int] | None = No
     does not record autograd; checked on torch 2.6-2.13). With ``tally``, each count is also added
     to ``tally["backward"]`` inside a backward pass, else to ``tally["forward"]``.
     """
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     from torch.utils._pytree import tree_map
 
     def local(x: Any) -> Any:
@@ -441,11 +446,13 @@ def flop_counter() -> Any:
       would count 0 FLOPs; we map them to torch's own ``sdpa_flop_count`` /
       ``sdpa_backward_flop_count`` (same formula as the CUDA flash kernels).
 
+    >>> import torch
     >>> with flop_counter() as c:
     ...     _ = torch.ones(2, 3) @ torch.ones(3, 4)
     >>> c.get_total_flops(), c.flops_by_pass
     (48, {'forward': 48, 'backward': 0})
     """
+    import torch  # here, not at the top: peak lookups (meshkit plan) need no torch
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
@@ -476,6 +483,7 @@ def measure_step_flops(model: torch.nn.Module, *inputs: Any,
     forward during backward and is counted in ``backward`` (hence in :attr:`StepFlops.hardware`).
     ``loss_fn`` maps the output to a scalar (default: ``output.float().sum()``).
 
+    >>> import torch
     >>> from meshkit.models import LlamaConfig, Transformer
     >>> f = measure_step_flops(Transformer(LlamaConfig.tiny()), torch.zeros(2, 16, dtype=torch.long))
     >>> f.backward >= 2 * f.forward

@@ -66,7 +66,12 @@ def test_strategy_name_resolves_when_lightning_is_imported_first():
 
 
 def test_import_meshkit_imports_neither_torch_nor_lightning():
-    code = ("import sys, meshkit; import meshkit.profiling.overlap, meshkit.timeline, meshkit.cli; "
+    # nor do the analysis modules, or `meshkit plan` (which reads peak FLOP/s from profiling's table)
+    code = ("import contextlib, io, sys, meshkit; import meshkit.profiling.overlap, meshkit.timeline, meshkit.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = meshkit.cli.main(['plan', '--params', '8e9', '--layers', '32', '--hidden', '4096', '--heads',"
+            " '32', '--gpus', '8', '--seq-len', '4096', '--global-batch', '64'])\n"
+            "assert rc == 0, rc\n"
             "print(sorted(m for m in ('torch', 'lightning', 'pytorch_lightning', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": ROOT})
