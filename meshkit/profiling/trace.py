@@ -249,7 +249,8 @@ class _Event(msgspec.Struct, gc=False):
 
 
 _SKIP = _Event()
-_TS, _DUR = operator.attrgetter("ts"), operator.attrgetter("dur")
+_TS, _DUR, _PH, _NAME = (operator.attrgetter(k) for k in ("ts", "dur", "ph", "name"))
+_TID, _CORR = operator.attrgetter("tid"), operator.attrgetter("args.correlation")
 
 BAD_EVENT_REASONS = ("ts missing", "ts not a number", "ts not finite", "dur missing", "dur not a number",
                      "dur not finite", "dur negative", "correlation not a number")
@@ -366,7 +367,7 @@ class _Sink:
     def add(self, batch: list[_Event]) -> None:
         """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
         self.events += len(batch)
-        xs = [ev for ev in batch if ev.ph == "X"]
+        xs = list(itertools.compress(batch, map(operator.eq, map(_PH, batch), itertools.repeat("X"))))
         if isinstance(batch, _Loose) or not _all_good(xs):
             xs = self._drop_bad(xs)
         self.complete += len(xs)
@@ -376,11 +377,11 @@ class _Sink:
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs)
             elif cat == "kernel":
-                nccl, compute = [], []
-                for ev in evs:
-                    (nccl if "nccl" in ev.name.lower() else compute).append(ev)
+                is_nccl = list(map(operator.contains, map(str.lower, map(_NAME, evs)), itertools.repeat("nccl")))
+                nccl = list(itertools.compress(evs, is_nccl))
+                compute = list(itertools.compress(evs, map(operator.not_, is_nccl)))
                 _spans(nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr)
-                self.comm_k_stream.extend([_tid(ev) for ev in nccl])
+                self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
                 _spans(compute, self.kern_s, self.kern_e, self.kern_corr)
                 for ev in nccl:
                     m = _NCCL_COLL.search(ev.name)
@@ -388,9 +389,13 @@ class _Sink:
             elif cat in ("gpu_memcpy", "gpu_memset"):
                 _spans(evs, self.mem_s, self.mem_e)
             elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
-                evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
-                self.rt_ts.extend([ev.ts for ev in evs])
-                self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
+                try:  # every launch has a numeric correlation: one pass in C
+                    corr = array("d", map(_CORR, evs))
+                except (AttributeError, TypeError):
+                    evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
+                    corr = array("d", [float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
+                self.rt_ts.extend(map(_TS, evs))
+                self.rt_corr.extend(corr)
 
     def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
         good = []
@@ -406,15 +411,15 @@ class _Sink:
 
     def _host(self, cat: str, evs: list[_Event]) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
-            is_aten = [ev.name.startswith("aten::") for ev in evs]
+            is_aten = list(map(str.startswith, map(_NAME, evs), itertools.repeat("aten::")))
             rest = list(itertools.compress(evs, map(operator.not_, is_aten)))
             ops = list(itertools.compress(evs, is_aten))
             ops += [ev for ev in rest if "::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)]
             _spans(ops, self.cpu_s, self.cpu_e)
-            self.cpu_tid.extend([float(ev.tid) if isinstance(ev.tid, int) else -1.0 for ev in ops])
+            self.cpu_tid.extend(_floats(ops, _TID, _tid))
             waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
             _spans(waits, self.wait_s, self.wait_e)
-            self.wait_tid.extend([_tid(ev) for ev in waits])
+            self.wait_tid.extend(_floats(waits, _TID, _tid))
             self.autograd_e.extend([ev.ts + ev.dur for ev in rest if ev.name.startswith("autograd::engine")])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
@@ -434,13 +439,26 @@ def _tid(ev: _Event) -> float:
     return float(ev.tid) if isinstance(ev.tid, int) else -1.0
 
 
+def _corr(ev: _Event) -> float:
+    return float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
+
+
+def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
+    """``slow(ev)`` of each event as doubles, in one pass in C through ``get`` (an attrgetter) when every
+    value is a number; ``slow`` (the same value, with a default for a missing one) per event otherwise."""
+    try:
+        return array("d", map(get, evs))
+    except (AttributeError, TypeError):
+        return array("d", map(slow, evs))
+
+
 def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
-    """Append the events' [start, end) (and CUDA correlation ids, -1 where absent)."""
-    starts.extend([ev.ts for ev in evs])  # type: ignore[misc]
-    ends.extend([ev.ts + ev.dur for ev in evs])  # type: ignore[operator]
+    """Append the events' [start, end) (and CUDA correlation ids, -1 where absent); every ``ts`` and
+    ``dur`` is a number here (checked in :meth:`_Sink.add`), so these are passes in C."""
+    starts.extend(map(_TS, evs))
+    ends.extend(map(operator.add, map(_TS, evs), map(_DUR, evs)))
     if corr is not None:
-        corr.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
-                     for ev in evs])
+        corr.extend(_floats(evs, _CORR, _corr))
 
 
 # ---------------------------------------------------------------------------- streaming parse
@@ -498,13 +516,13 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
     any other layout falls back to one stdlib ``raw_decode`` per event. Top-level keys before and
     after the array are parsed into ``meta``.
     """
-    buf, eof = b"", False
+    buf, eof = bytearray(), False  # deleting a bytearray's head is O(1) (CPython moves its start)
 
     def more() -> bool:
-        nonlocal buf, eof
+        nonlocal eof
         chunk = b"" if eof else reader.read(CHUNK_BYTES)
         eof = eof or not chunk
-        buf += chunk
+        buf.extend(chunk)
         return bool(chunk)
 
     while True:  # header: everything up to '"traceEvents"' and its '['
@@ -515,32 +533,38 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
         if not more():
             raise _Truncated("the file is empty" if not buf.strip() else
                              "no `traceEvents` array (not a torch.profiler trace?)")
-    head = buf[:i].rstrip().rstrip(b",")
+    head = bytes(buf[:i]).rstrip().rstrip(b",")
     try:
         meta.update(json.loads(head + b"}") if head.strip() != b"{" else {})
     except ValueError:
         pass
-    buf = buf[j + 1:]
+    # From here buf[0] is the byte before the next batch (the array's '[' or the last separator's
+    # ','): a batch is decoded in place, as buf[0] = '[' ... its last separator's ',' = ']', with no
+    # copy of its bytes. Lengths are compared without that byte.
+    del buf[:j]
     while True:
         cut = buf.rfind(_SEP)
-        while cut < 0 and len(buf) < 4 * CHUNK_BYTES and more():
+        while cut < 0 and len(buf) - 1 < 4 * CHUNK_BYTES and more():
             cut = buf.rfind(_SEP)
         if cut < 0:
             break  # the last event, or not Kineto's layout: the slow path reads the rest
-        body = buf[:cut + 4].lstrip(b" \t\r\n,")
-        try:
-            batch = _DECODE_BATCH(b"[" + body + b"]")
-        except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
-            raw = _decode_loose(b"[" + body + b"]")
-            if raw is None:
-                break  # not Kineto's layout after all
-            batch = _Loose(_coerce(ev) for ev in raw)
+        buf[0], buf[cut + 4] = 0x5B, 0x5D  # '[', ']'
+        with memoryview(buf) as whole, whole[:cut + 5] as view:
+            try:
+                batch = _DECODE_BATCH(view)
+            except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
+                raw = _decode_loose(bytes(view))
+                batch = None if raw is None else _Loose(_coerce(ev) for ev in raw)
+        if batch is None:
+            buf[cut + 4] = 0x2C  # ',': not Kineto's layout after all; the slow path reads it as written
+            break
         meta["_batches"] = meta.get("_batches", 0) + 1
         yield batch
-        buf = buf[cut + 5:]
-        if len(buf) < CHUNK_BYTES:
+        del buf[:cut + 4]
+        if len(buf) - 1 < CHUNK_BYTES:
             more()
-    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(buf, reader)), encoding="utf-8", errors="replace")
+    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(bytes(buf[1:]), reader)), encoding="utf-8",
+                            errors="replace")
     yield from _stream_slow(text, meta)
 
 
