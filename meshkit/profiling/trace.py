@@ -122,14 +122,31 @@ class Intervals:
         return (i >= 0) & (t < self.ends[np.maximum(i, 0)]) if len(self) else np.zeros(t.shape, dtype=bool)
 
     def _combine(self, other: "Intervals", keep: Any) -> "Intervals":
-        """Elementary segments between all boundaries, kept where ``keep(in_self, in_other)``."""
-        pts = np.unique(np.concatenate([self.starts, self.ends, other.starts, other.ends]))
+        """Elementary segments between all boundaries, kept where ``keep(in_self, in_other)``: one sweep.
+
+        The boundaries are sorted once (4 sorted runs) with +1 / -1 per set; a segment's membership
+        is each set's running count after the last boundary at its start, and runs of kept segments
+        become the result's intervals (so touching kept segments are one interval, as in :meth:`union`).
+        """
+        pts = np.concatenate([self.starts, self.ends, other.starts, other.ends])
         if pts.size < 2:
             return Intervals(np.empty(0), np.empty(0))
-        lo, hi = pts[:-1], pts[1:]
-        mid = lo + (hi - lo) / 2
-        sel = keep(self._contains(mid), other._contains(mid))
-        return Intervals.union(lo[sel], hi[sel])
+        n, m = self.starts.size, other.starts.size
+        step_a = np.zeros(pts.size, dtype=np.int64)
+        step_a[:n], step_a[n:2 * n] = 1, -1
+        step_b = np.zeros(pts.size, dtype=np.int64)
+        step_b[2 * n:2 * n + m], step_b[2 * n + m:] = 1, -1
+        order = np.argsort(pts, kind="stable")
+        pts = pts[order]
+        last = np.empty(pts.size, dtype=bool)  # the last boundary at each distinct time
+        np.not_equal(pts[1:], pts[:-1], out=last[:-1])
+        last[-1] = True
+        at = pts[last]
+        in_a = np.cumsum(step_a[order])[last][:-1] > 0
+        in_b = np.cumsum(step_b[order])[last][:-1] > 0
+        sel = np.asarray(keep(in_a, in_b), dtype=np.int8)  # segment k is [at[k], at[k + 1])
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], sel, [0]])))
+        return Intervals(at[edges[0::2]], at[edges[1::2]])
 
     def intersect(self, other: "Intervals") -> "Intervals":
         """``self ∩ other``.
