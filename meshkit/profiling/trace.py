@@ -533,40 +533,50 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
     any other layout falls back to one stdlib ``raw_decode`` per event. Top-level keys before and
     after the array are parsed into ``meta``.
     """
-    buf, eof = bytearray(), False  # deleting a bytearray's head is O(1) (CPython moves its start)
+    # buf[start:end] holds the bytes read and not consumed; chunks are read into buf in place (no
+    # new bytes object and copy per chunk), the unread tail moved to the front when it would not fit.
+    buf, start, end, eof = bytearray(2 * CHUNK_BYTES), 0, 0, False
 
     def more() -> bool:
-        nonlocal eof
-        chunk = b"" if eof else reader.read(CHUNK_BYTES)
-        eof = eof or not chunk
-        buf.extend(chunk)
-        return bool(chunk)
+        nonlocal buf, start, end, eof
+        if eof:
+            return False
+        if end + CHUNK_BYTES > len(buf):
+            buf[:end - start] = buf[start:end]
+            start, end = 0, end - start
+            if end + CHUNK_BYTES > len(buf):  # an event longer than the buffer: grow it
+                buf.extend(bytes(end + CHUNK_BYTES - len(buf)))
+        with memoryview(buf) as whole, whole[end:end + CHUNK_BYTES] as room:
+            n = reader.readinto(room)
+        eof = not n
+        end += n or 0
+        return bool(n)
 
     while True:  # header: everything up to '"traceEvents"' and its '['
-        i = buf.find(b'"traceEvents"')
-        j = buf.find(b"[", i) if i >= 0 else -1
+        i = buf.find(b'"traceEvents"', 0, end)
+        j = buf.find(b"[", i, end) if i >= 0 else -1
         if j >= 0:
             break
         if not more():
-            raise _Truncated("the file is empty" if not buf.strip() else
+            raise _Truncated("the file is empty" if not bytes(buf[:end]).strip() else
                              "no `traceEvents` array (not a torch.profiler trace?)")
     head = bytes(buf[:i]).rstrip().rstrip(b",")
     try:
         meta.update(json.loads(head + b"}") if head.strip() != b"{" else {})
     except ValueError:
         pass
-    # From here buf[0] is the byte before the next batch (the array's '[' or the last separator's
-    # ','): a batch is decoded in place, as buf[0] = '[' ... its last separator's ',' = ']', with no
-    # copy of its bytes. Lengths are compared without that byte.
-    del buf[:j]
+    # From here buf[start] is the byte before the next batch (the array's '[' or the last separator's
+    # ','): a batch is decoded in place, as buf[start] = '[' ... its last separator's ',' = ']', with
+    # no copy of its bytes. Lengths are counted without that byte.
+    start = j
     while True:
-        cut = buf.rfind(_SEP)
-        while cut < 0 and len(buf) - 1 < 4 * CHUNK_BYTES and more():
-            cut = buf.rfind(_SEP)
+        cut = buf.rfind(_SEP, start, end)
+        while cut < 0 and end - start - 1 < 4 * CHUNK_BYTES and more():
+            cut = buf.rfind(_SEP, start, end)
         if cut < 0:
             break  # the last event, or not Kineto's layout: the slow path reads the rest
-        buf[0], buf[cut + 4] = 0x5B, 0x5D  # '[', ']'
-        with memoryview(buf) as whole, whole[:cut + 5] as view:
+        buf[start], buf[cut + 4] = 0x5B, 0x5D  # '[', ']'
+        with memoryview(buf) as whole, whole[start:cut + 5] as view:
             try:
                 batch = _DECODE_BATCH(view)
             except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
@@ -577,10 +587,10 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
             break
         meta["_batches"] = meta.get("_batches", 0) + 1
         yield batch
-        del buf[:cut + 4]
-        if len(buf) - 1 < CHUNK_BYTES:
+        start = cut + 4
+        if end - start - 1 < CHUNK_BYTES:
             more()
-    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(bytes(buf[1:]), reader)), encoding="utf-8",
+    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(bytes(buf[start + 1:end]), reader)), encoding="utf-8",
                             errors="replace")
     yield from _stream_slow(text, meta)
 
