@@ -382,36 +382,49 @@ class _Sink:
         return min(firsts, default=math.inf)
 
     def add(self, batch: list[_Event]) -> None:
-        """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
+        """Classify a batch: complete ("X") events grouped by category, each group in bulk.
+
+        Every kept event's start and end are read once into numpy arrays (``ts + dur``: the same
+        double addition as per event); a category's events are a contiguous slice of them.
+        """
         self.events += len(batch)
         xs = list(itertools.compress(batch, map(operator.eq, map(_PH, batch), itertools.repeat("X"))))
         if isinstance(batch, _Loose) or not _all_good(xs):
             xs = self._drop_bad(xs)
         self.complete += len(xs)
         xs.sort(key=_CAT)
+        ts = np.fromiter(map(_TS, xs), dtype=np.float64, count=len(xs))
+        te = ts + np.fromiter(map(_DUR, xs), dtype=np.float64, count=len(xs))
+        lo = 0
         for cat, group in itertools.groupby(xs, key=_CAT):
             evs = list(group)
+            start, end = ts[lo:lo + len(evs)], te[lo:lo + len(evs)]
+            lo += len(evs)
             if cat in ("cpu_op", "user_annotation", "python_function"):
-                self._host(cat, evs)
+                self._host(cat, evs, start, end)
             elif cat == "kernel":
-                is_nccl = list(map(operator.contains, map(str.lower, map(_NAME, evs)), itertools.repeat("nccl")))
+                is_nccl = np.fromiter(map(operator.contains, map(str.lower, map(_NAME, evs)), itertools.repeat("nccl")),
+                                      dtype=bool, count=len(evs))
                 nccl = list(itertools.compress(evs, is_nccl))
-                compute = list(itertools.compress(evs, map(operator.not_, is_nccl)))
-                _spans(nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr)
+                compute = list(itertools.compress(evs, ~is_nccl))
+                _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
+                self.comm_k_corr.extend(_floats(nccl, _CORR, _corr))
                 self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
-                _spans(compute, self.kern_s, self.kern_e, self.kern_corr)
+                _put(self.kern_s, start[~is_nccl]), _put(self.kern_e, end[~is_nccl])
+                self.kern_corr.extend(_floats(compute, _CORR, _corr))
                 for ev in nccl:
                     m = _NCCL_COLL.search(ev.name)
                     self.comm_k_names.append(m.group(1) if m else ev.name)
             elif cat in ("gpu_memcpy", "gpu_memset"):
-                _spans(evs, self.mem_s, self.mem_e)
+                _put(self.mem_s, start), _put(self.mem_e, end)
             elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
                 try:  # every launch has a numeric correlation: one pass in C
                     corr = array("d", map(_CORR, evs))
                 except (AttributeError, TypeError):
-                    evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
-                    corr = array("d", [float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
-                self.rt_ts.extend(map(_TS, evs))
+                    has = np.array([ev.args is not None and ev.args.correlation is not None for ev in evs], dtype=bool)
+                    corr = array("d", [float(ev.args.correlation) for ev in itertools.compress(evs, has)])  # type: ignore[union-attr,arg-type]
+                    start = start[has]
+                _put(self.rt_ts, start)
                 self.rt_corr.extend(corr)
 
     def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
@@ -426,18 +439,22 @@ class _Sink:
                 self.bad_first = f"{reason}: {_show(ev)}"
         return good
 
-    def _host(self, cat: str, evs: list[_Event]) -> None:
+    def _host(self, cat: str, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
-            is_aten = list(map(str.startswith, map(_NAME, evs), itertools.repeat("aten::")))
-            rest = list(itertools.compress(evs, map(operator.not_, is_aten)))
-            ops = list(itertools.compress(evs, is_aten))
-            ops += [ev for ev in rest if "::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)]
-            _spans(ops, self.cpu_s, self.cpu_e)
+            is_aten = np.fromiter(map(str.startswith, map(_NAME, evs), itertools.repeat("aten::")), dtype=bool,
+                                  count=len(evs))
+            rest_at = np.flatnonzero(~is_aten)
+            rest = [evs[i] for i in rest_at.tolist()]
+            op_rest = np.array([("::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)) for ev in rest], dtype=bool)
+            ops_at = np.concatenate([np.flatnonzero(is_aten), rest_at[op_rest]]) if rest else slice(None)
+            _put(self.cpu_s, start[ops_at]), _put(self.cpu_e, end[ops_at])
+            ops = evs if not rest else list(itertools.compress(evs, is_aten)) + list(itertools.compress(rest, op_rest))
             self.cpu_tid.extend(_floats(ops, _TID, _tid))
-            waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
-            _spans(waits, self.wait_s, self.wait_e)
-            self.wait_tid.extend(_floats(waits, _TID, _tid))
-            self.autograd_e.extend([ev.ts + ev.dur for ev in rest if ev.name.startswith("autograd::engine")])
+            is_wait = np.array([("wait" in ev.name and ev.name.startswith(_COMM_NS)) for ev in rest], dtype=bool)
+            _put(self.wait_s, start[rest_at[is_wait]]), _put(self.wait_e, end[rest_at[is_wait]])
+            self.wait_tid.extend(_floats(list(itertools.compress(rest, is_wait)), _TID, _tid))
+            is_engine = np.array([ev.name.startswith("autograd::engine") for ev in rest], dtype=bool)
+            _put(self.autograd_e, end[rest_at[is_engine]])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
@@ -450,6 +467,11 @@ class _Sink:
                 self.phases.append((phase, ev.ts, ev.ts + ev.dur, ev.tid, name.startswith("meshkit:")))
             elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
                 self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, ev.tid))
+
+
+def _put(col: array, values: np.ndarray) -> None:
+    """Append a contiguous float64 array to an ``array("d")`` column (one copy of its bytes)."""
+    col.frombytes(memoryview(values).cast("B"))
 
 
 def _tid(ev: _Event) -> float:
@@ -468,14 +490,6 @@ def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
     except (AttributeError, TypeError):
         return array("d", map(slow, evs))
 
-
-def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
-    """Append the events' [start, end) (and CUDA correlation ids, -1 where absent); every ``ts`` and
-    ``dur`` is a number here (checked in :meth:`_Sink.add`), so these are passes in C."""
-    starts.extend(map(_TS, evs))
-    ends.extend(map(operator.add, map(_TS, evs), map(_DUR, evs)))
-    if corr is not None:
-        corr.extend(_floats(evs, _CORR, _corr))
 
 
 # ---------------------------------------------------------------------------- streaming parse
