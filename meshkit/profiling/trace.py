@@ -373,6 +373,8 @@ class _Sink:
         self.bad: dict[str, int] = {}
         """Skipped complete events by reason (:data:`BAD_EVENT_REASONS`)."""
         self.bad_first: str | None = None
+        self._cpu_op_kind = _Memo(_cpu_op_kind)
+        self._collective = _Memo(_kernel_collective)
 
     @property
     def first_ts(self) -> float:
@@ -403,8 +405,8 @@ class _Sink:
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs, start, end)
             elif cat == "kernel":
-                is_nccl = np.fromiter(map(operator.contains, map(str.lower, map(_NAME, evs)), itertools.repeat("nccl")),
-                                      dtype=bool, count=len(evs))
+                colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
+                is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
                 nccl = list(itertools.compress(evs, is_nccl))
                 compute = list(itertools.compress(evs, ~is_nccl))
                 _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
@@ -412,9 +414,7 @@ class _Sink:
                 self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
                 _put(self.kern_s, start[~is_nccl]), _put(self.kern_e, end[~is_nccl])
                 self.kern_corr.extend(_floats(compute, _CORR, _corr))
-                for ev in nccl:
-                    m = _NCCL_COLL.search(ev.name)
-                    self.comm_k_names.append(m.group(1) if m else ev.name)
+                self.comm_k_names.extend(filter(None, colls))
             elif cat in ("gpu_memcpy", "gpu_memset"):
                 _put(self.mem_s, start), _put(self.mem_e, end)
             elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
@@ -441,20 +441,13 @@ class _Sink:
 
     def _host(self, cat: str, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
-            is_aten = np.fromiter(map(str.startswith, map(_NAME, evs), itertools.repeat("aten::")), dtype=bool,
-                                  count=len(evs))
-            rest_at = np.flatnonzero(~is_aten)
-            rest = [evs[i] for i in rest_at.tolist()]
-            op_rest = np.array([("::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)) for ev in rest], dtype=bool)
-            ops_at = np.concatenate([np.flatnonzero(is_aten), rest_at[op_rest]]) if rest else slice(None)
-            _put(self.cpu_s, start[ops_at]), _put(self.cpu_e, end[ops_at])
-            ops = evs if not rest else list(itertools.compress(evs, is_aten)) + list(itertools.compress(rest, op_rest))
-            self.cpu_tid.extend(_floats(ops, _TID, _tid))
-            is_wait = np.array([("wait" in ev.name and ev.name.startswith(_COMM_NS)) for ev in rest], dtype=bool)
-            _put(self.wait_s, start[rest_at[is_wait]]), _put(self.wait_e, end[rest_at[is_wait]])
-            self.wait_tid.extend(_floats(list(itertools.compress(rest, is_wait)), _TID, _tid))
-            is_engine = np.array([ev.name.startswith("autograd::engine") for ev in rest], dtype=bool)
-            _put(self.autograd_e, end[rest_at[is_engine]])
+            kind = np.fromiter(map(self._cpu_op_kind.__getitem__, map(_NAME, evs)), dtype=np.int8, count=len(evs))
+            is_op, is_wait = kind == _OP, kind == _WAIT  # (the spans only feed unions: their order is free)
+            _put(self.cpu_s, start[is_op]), _put(self.cpu_e, end[is_op])
+            self.cpu_tid.extend(_floats(list(itertools.compress(evs, is_op)), _TID, _tid))
+            _put(self.wait_s, start[is_wait]), _put(self.wait_e, end[is_wait])
+            self.wait_tid.extend(_floats(list(itertools.compress(evs, is_wait)), _TID, _tid))
+            _put(self.autograd_e, end[kind == _ENGINE])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
@@ -467,6 +460,40 @@ class _Sink:
                 self.phases.append((phase, ev.ts, ev.ts + ev.dur, ev.tid, name.startswith("meshkit:")))
             elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
                 self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, ev.tid))
+
+
+_OP, _WAIT, _ENGINE = 1, 2, 3
+
+
+def _cpu_op_kind(name: str) -> int:
+    """A ``cpu_op``: an operator (compute, ``aten::`` first: most ops), an explicit comm wait, the
+    autograd engine (its ends split torch's optimizer spans), or 0 (containers, comm ops)."""
+    if name.startswith("aten::") or ("::" in name and not name.startswith(_NOT_COMPUTE)):
+        return _OP
+    if "wait" in name and name.startswith(_COMM_NS):
+        return _WAIT
+    return _ENGINE if name.startswith("autograd::engine") else 0
+
+
+def _kernel_collective(name: str) -> str | None:
+    """A device kernel's NCCL collective (``AllReduce``; the whole name if unparsed), None for compute."""
+    if "nccl" not in name.lower():
+        return None
+    m = _NCCL_COLL.search(name)
+    return m.group(1) if m else name
+
+
+class _Memo(dict):
+    """``memo[name]`` is ``fn(name)``, computed once per distinct name (names repeat: a trace has
+    few distinct op and kernel names)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def __missing__(self, name: str) -> Any:
+        value = self[name] = self._fn(name)
+        return value
 
 
 def _put(col: array, values: np.ndarray) -> None:
