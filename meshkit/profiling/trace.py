@@ -444,9 +444,9 @@ class _Sink:
             kind = np.fromiter(map(self._cpu_op_kind.__getitem__, map(_NAME, evs)), dtype=np.int8, count=len(evs))
             is_op, is_wait = kind == _OP, kind == _WAIT  # (the spans only feed unions: their order is free)
             _put(self.cpu_s, start[is_op]), _put(self.cpu_e, end[is_op])
-            self.cpu_tid.extend(_floats(list(itertools.compress(evs, is_op)), _TID, _tid))
-            _put(self.wait_s, start[is_wait]), _put(self.wait_e, end[is_wait])
-            self.wait_tid.extend(_floats(list(itertools.compress(evs, is_wait)), _TID, _tid))
+            tid = np.frombuffer(_floats(evs, _TID, _tid), dtype=np.float64)
+            _put(self.cpu_tid, tid[is_op])
+            _put(self.wait_s, start[is_wait]), _put(self.wait_e, end[is_wait]), _put(self.wait_tid, tid[is_wait])
             _put(self.autograd_e, end[kind == _ENGINE])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
