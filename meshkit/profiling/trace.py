@@ -122,14 +122,31 @@ class Intervals:
         return (i >= 0) & (t < self.ends[np.maximum(i, 0)]) if len(self) else np.zeros(t.shape, dtype=bool)
 
     def _combine(self, other: "Intervals", keep: Any) -> "Intervals":
-        """Elementary segments between all boundaries, kept where ``keep(in_self, in_other)``."""
-        pts = np.unique(np.concatenate([self.starts, self.ends, other.starts, other.ends]))
+        """Elementary segments between all boundaries, kept where ``keep(in_self, in_other)``: one sweep.
+
+        The boundaries are sorted once (4 sorted runs) with +1 / -1 per set; a segment's membership
+        is each set's running count after the last boundary at its start, and runs of kept segments
+        become the result's intervals (so touching kept segments are one interval, as in :meth:`union`).
+        """
+        pts = np.concatenate([self.starts, self.ends, other.starts, other.ends])
         if pts.size < 2:
             return Intervals(np.empty(0), np.empty(0))
-        lo, hi = pts[:-1], pts[1:]
-        mid = lo + (hi - lo) / 2
-        sel = keep(self._contains(mid), other._contains(mid))
-        return Intervals.union(lo[sel], hi[sel])
+        n, m = self.starts.size, other.starts.size
+        step_a = np.zeros(pts.size, dtype=np.int64)
+        step_a[:n], step_a[n:2 * n] = 1, -1
+        step_b = np.zeros(pts.size, dtype=np.int64)
+        step_b[2 * n:2 * n + m], step_b[2 * n + m:] = 1, -1
+        order = np.argsort(pts, kind="stable")
+        pts = pts[order]
+        last = np.empty(pts.size, dtype=bool)  # the last boundary at each distinct time
+        np.not_equal(pts[1:], pts[:-1], out=last[:-1])
+        last[-1] = True
+        at = pts[last]
+        in_a = np.cumsum(step_a[order])[last][:-1] > 0
+        in_b = np.cumsum(step_b[order])[last][:-1] > 0
+        sel = np.asarray(keep(in_a, in_b), dtype=np.int8)  # segment k is [at[k], at[k + 1])
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], sel, [0]])))
+        return Intervals(at[edges[0::2]], at[edges[1::2]])
 
     def intersect(self, other: "Intervals") -> "Intervals":
         """``self ∩ other``.
@@ -249,7 +266,8 @@ class _Event(msgspec.Struct, gc=False):
 
 
 _SKIP = _Event()
-_TS, _DUR = operator.attrgetter("ts"), operator.attrgetter("dur")
+_TS, _DUR, _PH, _NAME = (operator.attrgetter(k) for k in ("ts", "dur", "ph", "name"))
+_TID, _CORR = operator.attrgetter("tid"), operator.attrgetter("args.correlation")
 
 BAD_EVENT_REASONS = ("ts missing", "ts not a number", "ts not finite", "dur missing", "dur not a number",
                      "dur not finite", "dur negative", "correlation not a number")
@@ -355,6 +373,8 @@ class _Sink:
         self.bad: dict[str, int] = {}
         """Skipped complete events by reason (:data:`BAD_EVENT_REASONS`)."""
         self.bad_first: str | None = None
+        self._cpu_op_kind = _Memo(_cpu_op_kind)
+        self._collective = _Memo(_kernel_collective)
 
     @property
     def first_ts(self) -> float:
@@ -364,33 +384,48 @@ class _Sink:
         return min(firsts, default=math.inf)
 
     def add(self, batch: list[_Event]) -> None:
-        """Classify a batch: complete ("X") events grouped by category, each group in bulk."""
+        """Classify a batch: complete ("X") events grouped by category, each group in bulk.
+
+        Every kept event's start and end are read once into numpy arrays (``ts + dur``: the same
+        double addition as per event); a category's events are a contiguous slice of them.
+        """
         self.events += len(batch)
-        xs = [ev for ev in batch if ev.ph == "X"]
+        xs = list(itertools.compress(batch, map(operator.eq, map(_PH, batch), itertools.repeat("X"))))
         if isinstance(batch, _Loose) or not _all_good(xs):
             xs = self._drop_bad(xs)
         self.complete += len(xs)
         xs.sort(key=_CAT)
+        ts = np.fromiter(map(_TS, xs), dtype=np.float64, count=len(xs))
+        te = ts + np.fromiter(map(_DUR, xs), dtype=np.float64, count=len(xs))
+        lo = 0
         for cat, group in itertools.groupby(xs, key=_CAT):
             evs = list(group)
+            start, end = ts[lo:lo + len(evs)], te[lo:lo + len(evs)]
+            lo += len(evs)
             if cat in ("cpu_op", "user_annotation", "python_function"):
-                self._host(cat, evs)
+                self._host(cat, evs, start, end)
             elif cat == "kernel":
-                nccl, compute = [], []
-                for ev in evs:
-                    (nccl if "nccl" in ev.name.lower() else compute).append(ev)
-                _spans(nccl, self.comm_k_s, self.comm_k_e, self.comm_k_corr)
-                self.comm_k_stream.extend([_tid(ev) for ev in nccl])
-                _spans(compute, self.kern_s, self.kern_e, self.kern_corr)
-                for ev in nccl:
-                    m = _NCCL_COLL.search(ev.name)
-                    self.comm_k_names.append(m.group(1) if m else ev.name)
+                colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
+                is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
+                nccl = list(itertools.compress(evs, is_nccl))
+                compute = list(itertools.compress(evs, ~is_nccl))
+                _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
+                self.comm_k_corr.extend(_floats(nccl, _CORR, _corr))
+                self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
+                _put(self.kern_s, start[~is_nccl]), _put(self.kern_e, end[~is_nccl])
+                self.kern_corr.extend(_floats(compute, _CORR, _corr))
+                self.comm_k_names.extend(filter(None, colls))
             elif cat in ("gpu_memcpy", "gpu_memset"):
-                _spans(evs, self.mem_s, self.mem_e)
+                _put(self.mem_s, start), _put(self.mem_e, end)
             elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
-                evs = [ev for ev in evs if ev.args is not None and ev.args.correlation is not None]
-                self.rt_ts.extend([ev.ts for ev in evs])
-                self.rt_corr.extend([float(ev.args.correlation) for ev in evs])  # type: ignore[union-attr,arg-type]
+                try:  # every launch has a numeric correlation: one pass in C
+                    corr = array("d", map(_CORR, evs))
+                except (AttributeError, TypeError):
+                    has = np.array([ev.args is not None and ev.args.correlation is not None for ev in evs], dtype=bool)
+                    corr = array("d", [float(ev.args.correlation) for ev in itertools.compress(evs, has)])  # type: ignore[union-attr,arg-type]
+                    start = start[has]
+                _put(self.rt_ts, start)
+                self.rt_corr.extend(corr)
 
     def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
         good = []
@@ -404,18 +439,15 @@ class _Sink:
                 self.bad_first = f"{reason}: {_show(ev)}"
         return good
 
-    def _host(self, cat: str, evs: list[_Event]) -> None:
+    def _host(self, cat: str, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
-            is_aten = [ev.name.startswith("aten::") for ev in evs]
-            rest = list(itertools.compress(evs, map(operator.not_, is_aten)))
-            ops = list(itertools.compress(evs, is_aten))
-            ops += [ev for ev in rest if "::" in ev.name and not ev.name.startswith(_NOT_COMPUTE)]
-            _spans(ops, self.cpu_s, self.cpu_e)
-            self.cpu_tid.extend([float(ev.tid) if isinstance(ev.tid, int) else -1.0 for ev in ops])
-            waits = [ev for ev in rest if "wait" in ev.name and ev.name.startswith(_COMM_NS)]
-            _spans(waits, self.wait_s, self.wait_e)
-            self.wait_tid.extend([_tid(ev) for ev in waits])
-            self.autograd_e.extend([ev.ts + ev.dur for ev in rest if ev.name.startswith("autograd::engine")])
+            kind = np.fromiter(map(self._cpu_op_kind.__getitem__, map(_NAME, evs)), dtype=np.int8, count=len(evs))
+            is_op, is_wait = kind == _OP, kind == _WAIT  # (the spans only feed unions: their order is free)
+            _put(self.cpu_s, start[is_op]), _put(self.cpu_e, end[is_op])
+            tid = np.frombuffer(_floats(evs, _TID, _tid), dtype=np.float64)
+            _put(self.cpu_tid, tid[is_op])
+            _put(self.wait_s, start[is_wait]), _put(self.wait_e, end[is_wait]), _put(self.wait_tid, tid[is_wait])
+            _put(self.autograd_e, end[kind == _ENGINE])
             return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
@@ -430,17 +462,61 @@ class _Sink:
                 self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, ev.tid))
 
 
+_OP, _WAIT, _ENGINE = 1, 2, 3
+
+
+def _cpu_op_kind(name: str) -> int:
+    """A ``cpu_op``: an operator (compute, ``aten::`` first: most ops), an explicit comm wait, the
+    autograd engine (its ends split torch's optimizer spans), or 0 (containers, comm ops)."""
+    if name.startswith("aten::") or ("::" in name and not name.startswith(_NOT_COMPUTE)):
+        return _OP
+    if "wait" in name and name.startswith(_COMM_NS):
+        return _WAIT
+    return _ENGINE if name.startswith("autograd::engine") else 0
+
+
+def _kernel_collective(name: str) -> str | None:
+    """A device kernel's NCCL collective (``AllReduce``; the whole name if unparsed), None for compute."""
+    if "nccl" not in name.lower():
+        return None
+    m = _NCCL_COLL.search(name)
+    return m.group(1) if m else name
+
+
+class _Memo(dict):
+    """``memo[name]`` is ``fn(name)``, computed once per distinct name (names repeat: a trace has
+    few distinct op and kernel names)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self._fn = fn
+
+    def __missing__(self, name: str) -> Any:
+        value = self[name] = self._fn(name)
+        return value
+
+
+def _put(col: array, values: np.ndarray) -> None:
+    """Append a contiguous float64 array to an ``array("d")`` column (one copy of its bytes)."""
+    col.frombytes(memoryview(values).cast("B"))
+
+
 def _tid(ev: _Event) -> float:
     return float(ev.tid) if isinstance(ev.tid, int) else -1.0
 
 
-def _spans(evs: list[_Event], starts: array, ends: array, corr: array | None = None) -> None:
-    """Append the events' [start, end) (and CUDA correlation ids, -1 where absent)."""
-    starts.extend([ev.ts for ev in evs])  # type: ignore[misc]
-    ends.extend([ev.ts + ev.dur for ev in evs])  # type: ignore[operator]
-    if corr is not None:
-        corr.extend([float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
-                     for ev in evs])
+def _corr(ev: _Event) -> float:
+    return float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
+
+
+def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
+    """``slow(ev)`` of each event as doubles, in one pass in C through ``get`` (an attrgetter) when every
+    value is a number; ``slow`` (the same value, with a default for a missing one) per event otherwise."""
+    try:
+        return array("d", map(get, evs))
+    except (AttributeError, TypeError):
+        return array("d", map(slow, evs))
+
 
 
 # ---------------------------------------------------------------------------- streaming parse
@@ -498,49 +574,65 @@ def _stream_events(reader: io.BufferedIOBase, meta: dict) -> Iterator[list[_Even
     any other layout falls back to one stdlib ``raw_decode`` per event. Top-level keys before and
     after the array are parsed into ``meta``.
     """
-    buf, eof = b"", False
+    # buf[start:end] holds the bytes read and not consumed; chunks are read into buf in place (no
+    # new bytes object and copy per chunk), the unread tail moved to the front when it would not fit.
+    buf, start, end, eof = bytearray(2 * CHUNK_BYTES), 0, 0, False
 
     def more() -> bool:
-        nonlocal buf, eof
-        chunk = b"" if eof else reader.read(CHUNK_BYTES)
-        eof = eof or not chunk
-        buf += chunk
-        return bool(chunk)
+        nonlocal buf, start, end, eof
+        if eof:
+            return False
+        if end + CHUNK_BYTES > len(buf):
+            buf[:end - start] = buf[start:end]
+            start, end = 0, end - start
+            if end + CHUNK_BYTES > len(buf):  # an event longer than the buffer: grow it
+                buf.extend(bytes(end + CHUNK_BYTES - len(buf)))
+        with memoryview(buf) as whole, whole[end:end + CHUNK_BYTES] as room:
+            n = reader.readinto(room)
+        eof = not n
+        end += n or 0
+        return bool(n)
 
     while True:  # header: everything up to '"traceEvents"' and its '['
-        i = buf.find(b'"traceEvents"')
-        j = buf.find(b"[", i) if i >= 0 else -1
+        i = buf.find(b'"traceEvents"', 0, end)
+        j = buf.find(b"[", i, end) if i >= 0 else -1
         if j >= 0:
             break
         if not more():
-            raise _Truncated("the file is empty" if not buf.strip() else
+            raise _Truncated("the file is empty" if not bytes(buf[:end]).strip() else
                              "no `traceEvents` array (not a torch.profiler trace?)")
-    head = buf[:i].rstrip().rstrip(b",")
+    head = bytes(buf[:i]).rstrip().rstrip(b",")
     try:
         meta.update(json.loads(head + b"}") if head.strip() != b"{" else {})
     except ValueError:
         pass
-    buf = buf[j + 1:]
+    # From here buf[start] is the byte before the next batch (the array's '[' or the last separator's
+    # ','): a batch is decoded in place, as buf[start] = '[' ... its last separator's ',' = ']', with
+    # no copy of its bytes. Lengths are counted without that byte.
+    start = j
     while True:
-        cut = buf.rfind(_SEP)
-        while cut < 0 and len(buf) < 4 * CHUNK_BYTES and more():
-            cut = buf.rfind(_SEP)
+        cut = buf.rfind(_SEP, start, end)
+        while cut < 0 and end - start - 1 < 4 * CHUNK_BYTES and more():
+            cut = buf.rfind(_SEP, start, end)
         if cut < 0:
             break  # the last event, or not Kineto's layout: the slow path reads the rest
-        body = buf[:cut + 4].lstrip(b" \t\r\n,")
-        try:
-            batch = _DECODE_BATCH(b"[" + body + b"]")
-        except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
-            raw = _decode_loose(b"[" + body + b"]")
-            if raw is None:
-                break  # not Kineto's layout after all
-            batch = _Loose(_coerce(ev) for ev in raw)
+        buf[start], buf[cut + 4] = 0x5B, 0x5D  # '[', ']'
+        with memoryview(buf) as whole, whole[start:cut + 5] as view:
+            try:
+                batch = _DECODE_BATCH(view)
+            except msgspec.DecodeError:  # values off the schema (ValidationError), NaN, or not Kineto's layout
+                raw = _decode_loose(bytes(view))
+                batch = None if raw is None else _Loose(_coerce(ev) for ev in raw)
+        if batch is None:
+            buf[cut + 4] = 0x2C  # ',': not Kineto's layout after all; the slow path reads it as written
+            break
         meta["_batches"] = meta.get("_batches", 0) + 1
         yield batch
-        buf = buf[cut + 5:]
-        if len(buf) < CHUNK_BYTES:
+        start = cut + 4
+        if end - start - 1 < CHUNK_BYTES:
             more()
-    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(buf, reader)), encoding="utf-8", errors="replace")
+    text = io.TextIOWrapper(io.BufferedReader(_Prefixed(bytes(buf[start + 1:end]), reader)), encoding="utf-8",
+                            errors="replace")
     yield from _stream_slow(text, meta)
 
 
