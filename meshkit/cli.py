@@ -19,30 +19,9 @@ import importlib
 import sys
 from typing import Sequence
 
-__all__ = ["main"]
+from meshkit.verbs import VERBS
 
-# verb -> (module, one-line help)
-VERBS: dict[str, tuple[str, str]] = {
-    "demo": ("meshkit.demo", "train a small Llama on CPU gloo processes with strategy='hsdp_tp'"),
-    "consolidate": ("meshkit.plugins.checkpointing", "turn a sharded (DCP) checkpoint into one state-dict file"),
-    "plan": (
-        "meshkit.plugins.planner.cli",
-        "rank every dp/pp/cp/tp layout of a model on a cluster: memory, comm, bubble, predicted MFU",
-    ),
-    "analyze": (
-        "meshkit.profiling.overlap",
-        "comm/compute overlap, exposed comm, idle and stragglers per rank from torch.profiler traces",
-    ),
-    "bubble": (
-        "meshkit.profiling.bubble",
-        "pipeline bubble: theory, schedule simulator, measured bubble from a run's pp_timeline",
-    ),
-    "occupancy": (
-        "meshkit.profiling.occupancy.cli",
-        "registers, spills, shared memory and warp occupancy of Triton kernels on any NVIDIA target, from this CPU",
-    ),
-    "doctor": ("meshkit.doctor", "the failures that raise no error (tp across nodes, stragglers, ...) from a run's logs"),
-}
+__all__ = ["main"]
 
 
 def _top_parser() -> argparse.ArgumentParser:

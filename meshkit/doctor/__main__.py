@@ -1,7 +1,6 @@
 """``python -m meshkit.doctor`` is not a command: it points to ``meshkit doctor`` and exits 2."""
 
-if __name__ == "__main__":  # a library package, not a command: point to its verb (meshkit.cli.VERBS), exit 2
-    import sys
+if __name__ == "__main__":  # a library package, not a command: it names its verb and exits 2
+    from meshkit.verbs import not_a_command
 
-    print("meshkit.doctor is not a command: run `meshkit doctor` (or `python -m meshkit doctor`).", file=sys.stderr)
-    raise SystemExit(2)
+    not_a_command("meshkit.doctor")

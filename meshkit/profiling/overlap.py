@@ -498,8 +498,7 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
-    import sys
+if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
+    from meshkit.verbs import not_a_command
 
-    print("meshkit.profiling.overlap is not a command: run `meshkit analyze` (or `python -m meshkit analyze`).", file=sys.stderr)
-    raise SystemExit(2)
+    not_a_command("meshkit.profiling.overlap")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from meshkit.cli import VERBS
+from meshkit.verbs import VERBS
+from meshkit.verbs import verb_of as _verb_of
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshkit"
@@ -37,12 +38,6 @@ def _main_block(tree: ast.Module) -> ast.If | None:
                 and ast.unparse(node.test) in ("__name__ == '__main__'", "__name__ == \"__main__\"")):
             return node
     return None
-
-
-def _verb_of(module: str) -> str:
-    """The verb whose VERBS module is ``module`` or a package holding it (``meshkit.doctor.cli``: doctor)."""
-    (verb,) = [v for v, (m, _) in VERBS.items() if module == m or module.startswith(m + ".")]
-    return verb
 
 
 @functools.lru_cache(maxsize=None)

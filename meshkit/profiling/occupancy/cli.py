@@ -154,8 +154,7 @@ def _run(args: argparse.Namespace) -> list[KernelReport]:
                             **common)
 
 
-if __name__ == "__main__":  # a library module, not a command: point to its verb (meshkit.cli.VERBS), exit 2
-    import sys
+if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
+    from meshkit.verbs import not_a_command
 
-    print("meshkit.profiling.occupancy.cli is not a command: run `meshkit occupancy` (or `python -m meshkit occupancy`).", file=sys.stderr)
-    raise SystemExit(2)
+    not_a_command("meshkit.profiling.occupancy.cli")
