@@ -113,6 +113,9 @@ def fit_and_mfu(rows: list[dict[str, Any]], cfg_of: Any, *, tokens: int, seq: in
     ...                 tokens=64, seq=64, peak=1e9)
     >>> r["fit"]["per_layer_s"], r["fit"]["fixed_s"]
     (2.0, 1.0)
+    >>> fit_and_mfu([{"layers": 1, "step_s": 3.0}, {"layers": 2, "step_s": 2.9}], cfg_of,
+    ...             tokens=64, seq=64, peak=1e9)["mfu_extrapolated_32"] is None
+    True
     """
     if len(rows) < 2:
         raise ValueError(f"fit_and_mfu: `len(rows)={len(rows)}`: the fit needs two depths; pass --depths 2,4.")
@@ -128,11 +131,16 @@ def fit_and_mfu(rows: list[dict[str, Any]], cfg_of: Any, *, tokens: int, seq: in
     measured = {str(r["layers"]): flops(r["layers"]) / (r["step_s"] * peak) for r in rows}
     per_layer_flops = flops(2) - flops(1)  # one block (the rest cancels)
     t_target = a + b * target_layers
+    fit: dict[str, Any] = {"fixed_s": a, "per_layer_s": b}
+    if b <= 0:  # noise larger than one block's time: no per-layer or extrapolated figure, and say so
+        fit["warning"] = (f"step time does not grow with depth (per layer {b:.3g} s): timing noise exceeds one "
+                          "block's time; time more --steps or depths further apart")
     return {
-        "fit": {"fixed_s": a, "per_layer_s": b},
+        "fit": fit,
         "mfu_measured": measured,
         "mfu_per_layer": per_layer_flops / (b * peak) if b > 0 else None,
-        f"mfu_extrapolated_{target_layers}": flops(target_layers) / (t_target * peak) if t_target > 0 else None,
+        f"mfu_extrapolated_{target_layers}": (flops(target_layers) / (t_target * peak)
+                                              if b > 0 and t_target > 0 else None),
         f"step_s_extrapolated_{target_layers}": t_target,
         "model_flops_per_token": {str(n): model_flops_per_token(cfg_of(n), seq) for n in xs + [target_layers]},
     }
