@@ -46,7 +46,7 @@ import re
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, ClassVar, Iterator, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -253,10 +253,11 @@ class _Args(msgspec.Struct, gc=False):
     correlation: Union[int, float, str, None] = None  # str: kept, to be flagged (_bad_reason)
 
 
-class _Event(msgspec.Struct, gc=False):
-    """The fields of a Kineto event the analysis reads; msgspec skips every other field unparsed."""
+class _Event(msgspec.Struct, gc=False, tag_field="ph", tag="X"):
+    """A complete (``"ph": "X"``) Kineto event: the fields the analysis reads; msgspec skips every
+    other field unparsed."""
 
-    ph: str = ""
+    ph: ClassVar[str] = "X"
     cat: str = ""
     name: str = ""
     ts: Union[float, str, None] = None  # str: kept, to be flagged
@@ -265,8 +266,23 @@ class _Event(msgspec.Struct, gc=False):
     args: Union[_Args, None] = None
 
 
-_SKIP = _Event()
-_TS, _DUR, _PH, _NAME = (operator.attrgetter(k) for k in ("ts", "dur", "ph", "name"))
+_NOT_COMPLETE = "\0"
+"""The category every other phase's event reports: such events are decoded with no field read."""
+_OTHER_PHASES = "BEiICbneSTpFstfPNODMVvRc()"
+"""The Chrome trace-event phases besides "X"; an event with another (or no) ``ph`` sends its batch
+down the plain-JSON path, which reads it the same way."""
+
+
+def _phase_struct(ph: str) -> type:
+    return msgspec.defstruct(f"_Phase{ord(ph)}", [], gc=False, tag_field="ph", tag=ph,
+                             namespace={"ph": ph, "cat": _NOT_COMPLETE})
+
+
+_PHASE_STRUCTS = tuple(map(_phase_struct, _OTHER_PHASES))
+_UNREAD = {ph: cls() for ph, cls in zip(_OTHER_PHASES, _PHASE_STRUCTS)}
+"""An event of another phase, as the plain-JSON path reads it (one shared instance per phase)."""
+_SKIP = msgspec.defstruct("_NoPhase", [], gc=False, namespace={"ph": "", "cat": _NOT_COMPLETE})()
+_TS, _DUR, _NAME = (operator.attrgetter(k) for k in ("ts", "dur", "name"))
 _TID, _CORR = operator.attrgetter("tid"), operator.attrgetter("args.correlation")
 
 BAD_EVENT_REASONS = ("ts missing", "ts not a number", "ts not finite", "dur missing", "dur not a number",
@@ -278,7 +294,7 @@ _COMM_NS = ("c10d::", "_c10d_functional::", "record_param_comms", "gloo:", "nccl
 _NOT_OPS = ("autograd::", "torch::autograd::", "profiler::")
 _NOT_COMPUTE = _COMM_NS + _NOT_OPS
 _CAT = operator.attrgetter("cat")
-_DECODE_BATCH = msgspec.json.Decoder(list[_Event]).decode
+_DECODE_BATCH = msgspec.json.Decoder(list[Union[(_Event, *_PHASE_STRUCTS)]]).decode  # type: ignore[valid-type]
 
 
 def _phase_of(name: str) -> str | None:
@@ -296,25 +312,27 @@ def _coerce(ev: Any) -> _Event:
     """An event decoded as plain JSON (a batch that does not match the typed schema), read loosely:
     names and a float ``tid`` are tolerated; ``ts``, ``dur`` and the correlation are kept as they
     are, for :meth:`_Sink.add` to check (:func:`_bad_reason`)."""
-    if not isinstance(ev, dict):
-        return _SKIP
+    ph = ev.get("ph") if isinstance(ev, dict) else None
+    if ph != "X":
+        return _UNREAD.get(ph, _SKIP) if isinstance(ph, str) else _SKIP
     args, corr = ev.get("args"), None
     if isinstance(args, dict) and args.get("correlation") is not None:
         corr = _Args(args["correlation"])
     tid = ev.get("tid")
-    return _Event(str(ev.get("ph", "")), str(ev.get("cat", "")), str(ev.get("name", "")), ev.get("ts"),
-                  ev.get("dur"), tid if isinstance(tid, (int, str)) else None, corr)
+    return _Event(str(ev.get("cat", "")), str(ev.get("name", "")), ev.get("ts"), ev.get("dur"),
+                  tid if isinstance(tid, (int, str)) else None, corr)
 
 
-def _all_good(xs: list[_Event]) -> bool:
-    """Whether every complete event of a *typed* batch has a numeric ``ts`` and ``dur >= 0``: two passes
-    in C (a None or a string raises TypeError; msgspec already refused what is not finite). The
-    per-event check (:func:`_bad_reason`) runs only when this fails."""
+def _times(xs: list[_Event]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Start and end (``ts + dur``) of the complete events of a *typed* batch, one pass in C per field,
+    or None when one is missing, not a number or ``dur < 0`` (``array("d")`` refuses None and strings;
+    msgspec already refused what is not finite): then each event is checked (:func:`_bad_reason`)."""
     try:
-        sum(map(_TS, xs))
-        return min(map(_DUR, xs), default=0.0) >= 0
+        ts = np.frombuffer(array("d", map(_TS, xs)), dtype=np.float64)
+        dur = np.frombuffer(array("d", map(_DUR, xs)), dtype=np.float64)
     except TypeError:
-        return False
+        return None
+    return None if len(dur) and dur.min() < 0 else (ts, ts + dur)
 
 
 def _bad_reason(ev: _Event) -> str | None:
@@ -374,6 +392,7 @@ class _Sink:
         """Skipped complete events by reason (:data:`BAD_EVENT_REASONS`)."""
         self.bad_first: str | None = None
         self._cpu_op_kind = _Memo(_cpu_op_kind)
+        self._cat_code = _Memo(_cat_code)
         self._collective = _Memo(_kernel_collective)
 
     @property
@@ -386,38 +405,39 @@ class _Sink:
     def add(self, batch: list[_Event]) -> None:
         """Classify a batch: complete ("X") events grouped by category, each group in bulk.
 
-        Every kept event's start and end are read once into numpy arrays (``ts + dur``: the same
-        double addition as per event); a category's events are a contiguous slice of them.
+        One pass reads each event's category code (:data:`_KEPT_CATS` in order, then other complete
+        events, then the other phases); a stable argsort groups the complete events by it, in file
+        order within a group. Every complete event's start and end are read once into numpy arrays
+        (``ts + dur``: the same double addition as per event), and a group is a slice of them.
         """
         self.events += len(batch)
-        xs = list(itertools.compress(batch, map(operator.eq, map(_PH, batch), itertools.repeat("X"))))
-        if isinstance(batch, _Loose) or not _all_good(xs):
-            xs = self._drop_bad(xs)
+        codes = np.fromiter(map(self._cat_code.__getitem__, map(_CAT, batch)), dtype=np.int8, count=len(batch))
+        order = np.argsort(codes, kind="stable")
+        order = order[:len(order) - int(np.count_nonzero(codes == _NOT_X))]
+        xs = list(map(batch.__getitem__, order.tolist()))
+        times = None if isinstance(batch, _Loose) else _times(xs)
+        if times is None:  # check each complete event, in category then file order, and regroup the good ones
+            xs = self._drop_bad(sorted(xs, key=_CAT))
+            xs.sort(key=lambda ev: self._cat_code[ev.cat])
+            times = _times(xs)
+            assert times is not None  # every event left passed _bad_reason
+        codes = codes[order] if len(xs) == len(order) else np.fromiter(
+            map(self._cat_code.__getitem__, map(_CAT, xs)), dtype=np.int8, count=len(xs))
         self.complete += len(xs)
-        xs.sort(key=_CAT)
-        ts = np.fromiter(map(_TS, xs), dtype=np.float64, count=len(xs))
-        te = ts + np.fromiter(map(_DUR, xs), dtype=np.float64, count=len(xs))
-        lo = 0
-        for cat, group in itertools.groupby(xs, key=_CAT):
-            evs = list(group)
-            start, end = ts[lo:lo + len(evs)], te[lo:lo + len(evs)]
-            lo += len(evs)
+        ts, te = times
+        bounds = np.searchsorted(codes, np.arange(len(_KEPT_CATS) + 1), side="left")
+        for code, cat in enumerate(_KEPT_CATS):
+            lo, hi = int(bounds[code]), int(bounds[code + 1])
+            if lo == hi:
+                continue
+            evs, start, end = xs[lo:hi], ts[lo:hi], te[lo:hi]
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs, start, end)
             elif cat == "kernel":
-                colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
-                is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
-                nccl = list(itertools.compress(evs, is_nccl))
-                compute = list(itertools.compress(evs, ~is_nccl))
-                _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
-                self.comm_k_corr.extend(_floats(nccl, _CORR, _corr))
-                self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
-                _put(self.kern_s, start[~is_nccl]), _put(self.kern_e, end[~is_nccl])
-                self.kern_corr.extend(_floats(compute, _CORR, _corr))
-                self.comm_k_names.extend(filter(None, colls))
+                self._kernels(evs, start, end)
             elif cat in ("gpu_memcpy", "gpu_memset"):
                 _put(self.mem_s, start), _put(self.mem_e, end)
-            elif cat in ("cuda_runtime", "cuda_driver", "hip_runtime"):
+            else:  # cuda_runtime, cuda_driver, hip_runtime
                 try:  # every launch has a numeric correlation: one pass in C
                     corr = array("d", map(_CORR, evs))
                 except (AttributeError, TypeError):
@@ -426,6 +446,18 @@ class _Sink:
                     start = start[has]
                 _put(self.rt_ts, start)
                 self.rt_corr.extend(corr)
+
+    def _kernels(self, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
+        colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
+        is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
+        corr = np.frombuffer(_floats(evs, _CORR, _corr), dtype=np.float64)
+        if is_nccl.any():
+            _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl]), _put(self.comm_k_corr, corr[is_nccl])
+            self.comm_k_stream.extend(_floats(list(itertools.compress(evs, is_nccl)), _TID, _tid))
+            self.comm_k_names.extend(filter(None, colls))
+            is_compute = ~is_nccl
+            start, end, corr = start[is_compute], end[is_compute], corr[is_compute]
+        _put(self.kern_s, start), _put(self.kern_e, end), _put(self.kern_corr, corr)
 
     def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
         good = []
@@ -463,6 +495,18 @@ class _Sink:
 
 
 _OP, _WAIT, _ENGINE = 1, 2, 3
+_KEPT_CATS = ("cpu_op", "cuda_driver", "cuda_runtime", "gpu_memcpy", "gpu_memset", "hip_runtime", "kernel",
+              "python_function", "user_annotation")
+"""The categories of complete events the analysis reads, in sorted order (the order they are added in)."""
+_OTHER_X, _NOT_X = len(_KEPT_CATS), len(_KEPT_CATS) + 1
+
+
+def _cat_code(cat: str) -> int:
+    """A category's group: its index in :data:`_KEPT_CATS`, ``_OTHER_X`` for another complete event's
+    (checked and counted, not read), ``_NOT_X`` for an event of another phase (:data:`_NOT_COMPLETE`)."""
+    if cat == _NOT_COMPLETE:
+        return _NOT_X
+    return _KEPT_CATS.index(cat) if cat in _KEPT_CATS else _OTHER_X
 
 
 def _cpu_op_kind(name: str) -> int:
@@ -763,7 +807,9 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
     main = np.array(sorted({float(st[3]) for st in steps if isinstance(st[3], (int, float))}))
-    on_main = (lambda tid: np.isin(tid, main)) if main.size else (lambda tid: np.ones(tid.shape, dtype=bool))
+    # (tid == each main thread id): np.isin's first call imports numpy.ma (40 ms of CPU); main holds 1-2 ids
+    on_main = (lambda tid: (tid[:, None] == main).any(axis=1)) if main.size else (
+        lambda tid: np.ones(tid.shape, dtype=bool))
     kern_s, kern_e = cat("kern_s"), cat("kern_e")
     ck_s, ck_e = cat("comm_k_s"), cat("comm_k_e")
     rt.shape = "cuda" if kern_s.size or ck_s.size else "cpu"
@@ -853,17 +899,20 @@ def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.nd
     k = np.searchsorted(starts, launch, side="right") - 1
     ok = (k >= 0) & ~np.isnan(launch)
     ok[ok] &= launch[ok] < ends[k[ok]]
-    ids, windows = [], []
-    for j, st in enumerate(steps):
-        sel = ok & (k == j)
-        if sel.any():
-            ids.append(st[0])
-            windows.append([dev_s[sel].min(), dev_e[sel].max()])
-    win = np.array(windows, dtype=np.float64).reshape(-1, 2)
+    # per step with device events: the first start and last end (one sort, not one pass per step)
+    kk = k[ok]
+    order = np.argsort(kk, kind="stable")
+    kk = kk[order]
+    first = np.flatnonzero(np.concatenate([kk[:1] == kk[:1], kk[1:] != kk[:-1]]))
+    ids = np.array([st[0] for st in steps], dtype=np.int64)[kk[first]]
+    win = np.empty((first.size, 2))
+    if first.size:
+        win[:, 0] = np.minimum.reduceat(dev_s[ok][order], first)
+        win[:, 1] = np.maximum.reduceat(dev_e[ok][order], first)
     # A step's last kernels may still run when the next step's first ones start, and the device may
     # idle between steps: each window ends where the next begins.
     win[:-1, 1] = np.maximum(win[1:, 0], win[:-1, 0])
-    return np.array(ids, dtype=np.int64), win
+    return ids, win
 
 
 def load_rank_trace(paths: str | Sequence[str], rank: int | None = None) -> RankTrace:

@@ -166,9 +166,17 @@ def test_pipeline_spans_give_bubble(tmp_path):
 
 
 def _fields(ev):
-    """What the typed reader keeps of a JSON event."""
+    """What the typed reader keeps of a JSON event: a complete ("X") event's fields, another's phase."""
+    if ev.get("ph") != "X":
+        return (ev.get("ph"),)
     corr = (ev.get("args") or {}).get("correlation")
-    return (ev.get("ph", ""), ev.get("cat", ""), ev.get("name", ""), ev.get("ts"), ev.get("dur"), ev.get("tid"), corr)
+    return ("X", ev.get("cat", ""), ev.get("name", ""), ev.get("ts"), ev.get("dur"), ev.get("tid"), corr)
+
+
+def _kept(e):
+    if e.ph != "X":
+        return (e.ph,)
+    return (e.ph, e.cat, e.name, e.ts, e.dur, e.tid, e.args.correlation if e.args else None)
 
 
 def test_streaming_parser_equals_json_load(tmp_path, monkeypatch):
@@ -181,11 +189,39 @@ def test_streaming_parser_equals_json_load(tmp_path, monkeypatch):
         with T._open_binary(str(path)) as f:
             got = [e for batch in T._stream_events(f, meta) for e in batch]
         want = json.load(open(path))["traceEvents"]
-        assert [(e.ph, e.cat, e.name, e.ts, e.dur, e.tid, e.args.correlation if e.args else None) for e in got] == \
-            [_fields(e) for e in want]
+        assert [_kept(e) for e in got] == [_fields(e) for e in want]
+        assert {e["ph"] for e in want} > {"X"}  # other phases are in the file, read as their phase only
         assert (meta.get("_batches", 0) > 0) == style  # Kineto's layout takes the batched fast path
         assert meta["distributedInfo"]["rank"] == 0
         assert style is False or meta["traceName"] == "x"
+
+
+def test_other_phases_and_unread_categories_change_nothing(tmp_path):
+    """Flow ("s"/"f"), counter and metadata events, an unknown or missing phase (which send a batch down
+    the plain-JSON path) and complete events of a category the analysis does not read leave every figure
+    as it is; the unread complete events still count as complete, a bad one among them as bad."""
+    base = cuda_rank(0)
+    extra = [{"ph": "s", "id": 1, "pid": 100, "tid": 1, "ts": BASE + 1, "cat": "ac2g", "name": "ac2g"},
+             {"ph": "f", "id": 1, "pid": 0, "tid": 7, "ts": BASE + 10, "cat": "ac2g", "name": "ac2g", "bp": "e"},
+             {"ph": "C", "name": "mem", "pid": 0, "tid": 0, "ts": BASE + 5, "cat": "kernel", "args": {"v": 1}},
+             X("gpu_user_annotation", "gpu_user_annotation", 0, 60, 7),
+             X("Trace", "Trace", 0, 100, 1)]
+    odd = [{"ph": "Z", "name": "?", "ts": BASE, "cat": "kernel"}, {"name": "no phase", "cat": "cpu_op", "ts": BASE}]
+    want = None
+    for i, (events, style) in enumerate([(base, True), (base + extra, True), (base + extra, False),
+                                         (odd + base + extra, True)]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        write_trace(d / "rank0.pt.trace.json", 0, 1, events, kineto_style=style)
+        r = analyze(str(d))["ranks"]["0"]
+        sink, _, _ = T.load_trace(str(d / "rank0.pt.trace.json"))
+        assert sink.complete == len([e for e in events if e.get("ph") == "X"])
+        want = want or r
+        assert r == want, i
+    bad = base + [dict(X("Trace", "Trace", 0, 100, 1), dur=-5.0)]
+    write_trace(tmp_path / "rank0.pt.trace.json", 0, 1, bad)
+    sink, _, _ = T.load_trace(str(tmp_path / "rank0.pt.trace.json"))
+    assert (sink.complete, sink.bad) == (len(base), {"dur negative": 1})
 
 
 def test_values_off_the_schema_are_read_loosely(tmp_path):
