@@ -342,7 +342,11 @@ def _bad_reason(ev: _Event) -> str | None:
             return f"{key} missing"
         if type(v) not in (int, float):  # a string, a bool, a list ...
             return f"{key} not a number"
-        if not math.isfinite(v):
+        try:
+            finite = math.isfinite(v)
+        except OverflowError:  # an integer too large for a double
+            finite = False
+        if not finite:
             return f"{key} not finite"
     if ev.dur < 0:  # type: ignore[operator]
         return "dur negative"
@@ -419,12 +423,11 @@ class _Sink:
         if times is None:  # check each complete event, in category then file order, and regroup the good ones
             xs = self._drop_bad(sorted(xs, key=_CAT))
             xs.sort(key=lambda ev: self._cat_code[ev.cat])
-            times = _times(xs)
-            assert times is not None  # every event left passed _bad_reason
+            times = _times(xs)  # every event left passed _bad_reason: not None
         codes = codes[order] if len(xs) == len(order) else np.fromiter(
             map(self._cat_code.__getitem__, map(_CAT, xs)), dtype=np.int8, count=len(xs))
         self.complete += len(xs)
-        ts, te = times
+        ts, te = times  # type: ignore[misc]
         bounds = np.searchsorted(codes, np.arange(len(_KEPT_CATS) + 1), side="left")
         for code, cat in enumerate(_KEPT_CATS):
             lo, hi = int(bounds[code]), int(bounds[code + 1])

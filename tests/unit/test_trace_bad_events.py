@@ -11,7 +11,7 @@ import json
 import pytest
 
 from meshkit.cli import main
-from meshkit.profiling.trace import BAD_EVENT_REASONS
+from meshkit.profiling.trace import BAD_EVENT_REASONS, load_trace
 from tests.unit.test_trace import BASE, X, cpu_rank, write_trace
 
 # Each would change the figures if it were read as a number (or as 0): they sit in rank 0's idle
@@ -96,3 +96,11 @@ def test_a_trace_with_only_bad_events_is_an_error_naming_the_file(dirs, capsys):
                           "has no usable events: rank1.1.pt.trace.json: skipped 9 of 9 complete events as bad "
                           "(9 ts not a number); first: ts not a number: ")
     assert "dur >= 0; fix the program that wrote this file" in err
+
+
+def test_an_integer_too_large_for_a_double_is_not_finite(tmp_path):
+    """JSON allows any integer; one with 400 digits is skipped as not finite, not a crash of the analysis."""
+    ev = cpu_rank(0)
+    write_trace(tmp_path / "rank0.1.pt.trace.json", 0, 1, ev[:3] + [X("aten::mm", "cpu_op", 75, 10 ** 400, 1)] + ev[3:])
+    sink, _, _ = load_trace(str(tmp_path / "rank0.1.pt.trace.json"))
+    assert sink.bad == {"dur not finite": 1} and sink.complete == len([e for e in ev if e.get("ph") == "X"])
