@@ -342,17 +342,22 @@ def _bad_reason(ev: _Event) -> str | None:
             return f"{key} missing"
         if type(v) not in (int, float):  # a string, a bool, a list ...
             return f"{key} not a number"
-        try:
-            finite = math.isfinite(v)
-        except OverflowError:  # an integer too large for a double
-            finite = False
-        if not finite:
+        if not _finite(v):
             return f"{key} not finite"
     if ev.dur < 0:  # type: ignore[operator]
         return "dur negative"
-    if ev.args is not None and type(ev.args.correlation) not in (int, float, type(None)):
+    corr = ev.args.correlation if ev.args is not None else None
+    if corr is not None and (type(corr) not in (int, float) or not _finite(corr)):
         return "correlation not a number"
     return None
+
+
+def _finite(v: float) -> bool:
+    """Whether a number is a finite double (an integer too large for one is not)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _show(ev: _Event) -> str:
@@ -419,16 +424,17 @@ class _Sink:
         order = np.argsort(codes, kind="stable")
         order = order[:len(order) - int(np.count_nonzero(codes == _NOT_X))]
         xs = list(map(batch.__getitem__, order.tolist()))
+        codes = codes[order]
         times = None if isinstance(batch, _Loose) else _times(xs)
-        if times is None:  # check each complete event, in category then file order, and regroup the good ones
+        corrs = None if times is None else _correlations(xs, codes)
+        if times is None or corrs is None:  # check each complete event, in category then file order; regroup
             xs = self._drop_bad(sorted(xs, key=_CAT))
             xs.sort(key=lambda ev: self._cat_code[ev.cat])
-            times = _times(xs)  # every event left passed _bad_reason: not None
-        codes = codes[order] if len(xs) == len(order) else np.fromiter(
-            map(self._cat_code.__getitem__, map(_CAT, xs)), dtype=np.int8, count=len(xs))
+            codes = np.fromiter(map(self._cat_code.__getitem__, map(_CAT, xs)), dtype=np.int8, count=len(xs))
+            times, corrs = _times(xs), _correlations(xs, codes)  # every event left passed _bad_reason
         self.complete += len(xs)
         ts, te = times  # type: ignore[misc]
-        bounds = np.searchsorted(codes, np.arange(len(_KEPT_CATS) + 1), side="left")
+        bounds = _bounds(codes)
         for code, cat in enumerate(_KEPT_CATS):
             lo, hi = int(bounds[code]), int(bounds[code + 1])
             if lo == hi:
@@ -437,23 +443,18 @@ class _Sink:
             if cat in ("cpu_op", "user_annotation", "python_function"):
                 self._host(cat, evs, start, end)
             elif cat == "kernel":
-                self._kernels(evs, start, end)
+                self._kernels(evs, start, end, corrs[code])  # type: ignore[index]
             elif cat in ("gpu_memcpy", "gpu_memset"):
                 _put(self.mem_s, start), _put(self.mem_e, end)
-            else:  # cuda_runtime, cuda_driver, hip_runtime
-                try:  # every launch has a numeric correlation: one pass in C
-                    corr = array("d", map(_CORR, evs))
-                except (AttributeError, TypeError):
-                    has = np.array([ev.args is not None and ev.args.correlation is not None for ev in evs], dtype=bool)
-                    corr = array("d", [float(ev.args.correlation) for ev in itertools.compress(evs, has)])  # type: ignore[union-attr,arg-type]
-                    start = start[has]
-                _put(self.rt_ts, start)
-                self.rt_corr.extend(corr)
+            else:  # cuda_runtime, cuda_driver, hip_runtime: a launch without a correlation cannot be matched
+                corr = corrs[code]  # type: ignore[index]
+                has = ~np.isnan(corr)
+                _put(self.rt_ts, start[has]), _put(self.rt_corr, corr[has])
 
-    def _kernels(self, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
+    def _kernels(self, evs: list[_Event], start: np.ndarray, end: np.ndarray, corr: np.ndarray) -> None:
         colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
         is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
-        corr = np.frombuffer(_floats(evs, _CORR, _corr), dtype=np.float64)
+        corr = np.where(np.isnan(corr), -1.0, corr)  # no correlation: no launch to match
         if is_nccl.any():
             _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl]), _put(self.comm_k_corr, corr[is_nccl])
             self.comm_k_stream.extend(_floats(list(itertools.compress(evs, is_nccl)), _TID, _tid))
@@ -504,6 +505,33 @@ _KEPT_CATS = ("cpu_op", "cuda_driver", "cuda_runtime", "gpu_memcpy", "gpu_memset
 _OTHER_X, _NOT_X = len(_KEPT_CATS), len(_KEPT_CATS) + 1
 
 
+_CORR_CODES = tuple(_KEPT_CATS.index(c) for c in ("cuda_driver", "cuda_runtime", "hip_runtime", "kernel"))
+"""The groups whose correlation ids are read (launches and kernels)."""
+
+
+def _bounds(codes: np.ndarray) -> np.ndarray:
+    """Where each of :data:`_KEPT_CATS`' groups starts in sorted ``codes`` (and where the last ends)."""
+    return np.searchsorted(codes, np.arange(len(_KEPT_CATS) + 1), side="left")
+
+
+def _correlations(xs: list[_Event], codes: np.ndarray) -> dict[int, np.ndarray] | None:
+    """Per launch or kernel group: each event's correlation id as a double (NaN: none), one pass in C;
+    None when one is not a number or too large for a double (then each event is checked)."""
+    bounds, out = _bounds(codes), {}
+    for code in _CORR_CODES:
+        lo, hi = int(bounds[code]), int(bounds[code + 1])
+        if lo == hi:
+            continue
+        try:
+            out[code] = np.frombuffer(array("d", map(_CORR, xs[lo:hi])), dtype=np.float64)
+        except (AttributeError, TypeError, OverflowError):  # some have none (or a bad one): per event
+            vals = [ev.args.correlation if ev.args is not None else None for ev in xs[lo:hi]]
+            if not all(v is None or (type(v) in (int, float) and _finite(v)) for v in vals):
+                return None
+            out[code] = np.array([math.nan if v is None else float(v) for v in vals], dtype=np.float64)
+    return out
+
+
 def _cat_code(cat: str) -> int:
     """A category's group: its index in :data:`_KEPT_CATS`, ``_OTHER_X`` for another complete event's
     (checked and counted, not read), ``_NOT_X`` for an event of another phase (:data:`_NOT_COMPLETE`)."""
@@ -549,11 +577,7 @@ def _put(col: array, values: np.ndarray) -> None:
 
 
 def _tid(ev: _Event) -> float:
-    return float(ev.tid) if isinstance(ev.tid, int) else -1.0
-
-
-def _corr(ev: _Event) -> float:
-    return float(ev.args.correlation) if ev.args and ev.args.correlation is not None else -1.0
+    return float(ev.tid) if isinstance(ev.tid, int) and _finite(ev.tid) else -1.0
 
 
 def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
@@ -561,7 +585,7 @@ def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
     value is a number; ``slow`` (the same value, with a default for a missing one) per event otherwise."""
     try:
         return array("d", map(get, evs))
-    except (AttributeError, TypeError):
+    except (AttributeError, TypeError, OverflowError):
         return array("d", map(slow, evs))
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from meshkit.cli import main
 from meshkit.profiling.trace import BAD_EVENT_REASONS, load_trace
-from tests.unit.test_trace import BASE, X, cpu_rank, write_trace
+from tests.unit.test_trace import BASE, X, cpu_rank, cuda_rank, write_trace
 
 # Each would change the figures if it were read as a number (or as 0): they sit in rank 0's idle
 # [70, 100) µs of step 1 and rank 1's compute-free comm window.
@@ -104,3 +104,32 @@ def test_an_integer_too_large_for_a_double_is_not_finite(tmp_path):
     write_trace(tmp_path / "rank0.1.pt.trace.json", 0, 1, ev[:3] + [X("aten::mm", "cpu_op", 75, 10 ** 400, 1)] + ev[3:])
     sink, _, _ = load_trace(str(tmp_path / "rank0.1.pt.trace.json"))
     assert sink.bad == {"dur not finite": 1} and sink.complete == len([e for e in ev if e.get("ph") == "X"])
+
+
+@pytest.mark.parametrize("bad", ["42", 10 ** 400, True], ids=["string", "huge", "bool"])
+@pytest.mark.parametrize("index,cat", [(1, "cuda_runtime"), (7, "kernel")])
+def test_a_correlation_that_is_not_a_number_is_skipped(tmp_path, bad, index, cat):
+    """In Kineto's layout (the typed path) as in plain JSON: the launch or kernel is skipped and counted,
+    the rest is read as it is (it was a crash of the analysis: ValueError / OverflowError)."""
+    clean, events = cuda_rank(0), cuda_rank(0)
+    assert events[index]["cat"] == cat
+    events[index] = dict(events[index], args=dict(events[index]["args"], correlation=bad))
+    for style in (True, False):
+        d = tmp_path / f"{style}"
+        d.mkdir()
+        write_trace(d / "rank0.1.pt.trace.json", 0, 1, events, kineto_style=style)
+        sink, _, _ = load_trace(str(d / "rank0.1.pt.trace.json"))
+        assert sink.bad == {"correlation not a number": 1} and sink.complete == len(clean) - 1, style
+        write_trace(d / "rank0.1.pt.trace.json", 0, 1, [e for i, e in enumerate(clean) if i != index])
+        want = analyze_rank0(d)
+        write_trace(d / "rank0.1.pt.trace.json", 0, 1, events, kineto_style=style)
+        got = analyze_rank0(d)
+        assert {k: v for k, v in got.items() if k not in ("partial", "bad_events")} == \
+            {k: v for k, v in want.items() if k not in ("partial", "bad_events")}
+        assert got["bad_events"] == 1
+
+
+def analyze_rank0(d):
+    from meshkit.profiling.overlap import analyze
+
+    return analyze(str(d))["ranks"]["0"]
