@@ -456,7 +456,8 @@ class _Sink:
         is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
         corr = np.where(np.isnan(corr), -1.0, corr)  # no correlation: no launch to match
         if is_nccl.any():
-            _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl]), _put(self.comm_k_corr, corr[is_nccl])
+            _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
+            _put(self.comm_k_corr, corr[is_nccl])
             self.comm_k_stream.extend(_floats(list(itertools.compress(evs, is_nccl)), _TID, _tid))
             self.comm_k_names.extend(filter(None, colls))
             is_compute = ~is_nccl
@@ -833,7 +834,8 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
             rt.peak = meta["meshkit_peak"]
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
-    main = np.array(sorted({float(st[3]) for st in steps if isinstance(st[3], (int, float))}))
+    tids = {st[3] for st in steps if isinstance(st[3], (int, float)) and _finite(st[3])}
+    main = np.array(sorted(map(float, tids)))
     # (tid == each main thread id): np.isin's first call imports numpy.ma (40 ms of CPU); main holds 1-2 ids
     on_main = (lambda tid: (tid[:, None] == main).any(axis=1)) if main.size else (
         lambda tid: np.ones(tid.shape, dtype=bool))
@@ -844,7 +846,7 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
     by_phase: dict[str, tuple[list, list]] = {}
     for s in sinks:
         for phase, start, end, tid, mk in s.phases:
-            if not main.size or (isinstance(tid, (int, float)) and float(tid) in main):
+            if not main.size or (isinstance(tid, (int, float)) and _finite(tid) and float(tid) in main):
                 for key in (phase, "meshkit:optimizer") if (phase == "optimizer" and mk) else (phase,):
                     by_phase.setdefault(key, ([], []))[0].append(start), by_phase[key][1].append(end)
     if "forward_backward" in by_phase:  # meshkit's markers: torch's optimizer spans may wrap the closure

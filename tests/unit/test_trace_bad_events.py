@@ -101,7 +101,8 @@ def test_a_trace_with_only_bad_events_is_an_error_naming_the_file(dirs, capsys):
 def test_an_integer_too_large_for_a_double_is_not_finite(tmp_path):
     """JSON allows any integer; one with 400 digits is skipped as not finite, not a crash of the analysis."""
     ev = cpu_rank(0)
-    write_trace(tmp_path / "rank0.1.pt.trace.json", 0, 1, ev[:3] + [X("aten::mm", "cpu_op", 75, 10 ** 400, 1)] + ev[3:])
+    huge = X("aten::mm", "cpu_op", 75, 10 ** 400, 1)
+    write_trace(tmp_path / "rank0.1.pt.trace.json", 0, 1, ev[:3] + [huge] + ev[3:])
     sink, _, _ = load_trace(str(tmp_path / "rank0.1.pt.trace.json"))
     assert sink.bad == {"dur not finite": 1} and sink.complete == len([e for e in ev if e.get("ph") == "X"])
 
@@ -133,3 +134,13 @@ def analyze_rank0(d):
     from meshkit.profiling.overlap import analyze
 
     return analyze(str(d))["ranks"]["0"]
+
+
+def test_a_step_on_a_thread_id_too_large_for_a_double_is_read(tmp_path):
+    """A thread id is not a measurement: one that no double holds is no thread's, not a crash."""
+    ev = cpu_rank(0)
+    ev[0] = dict(ev[0], tid=10 ** 400)  # ProfilerStep#1
+    write_trace(tmp_path / "rank0.1.pt.trace.json", 0, 1, ev)
+    from meshkit.profiling.overlap import analyze
+
+    assert analyze(str(tmp_path))["ranks"]["0"]["steps"] == 2
