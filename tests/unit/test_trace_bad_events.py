@@ -144,3 +144,33 @@ def test_a_step_on_a_thread_id_too_large_for_a_double_is_read(tmp_path):
     from meshkit.profiling.overlap import analyze
 
     assert analyze(str(tmp_path))["ranks"]["0"]["steps"] == 2
+
+
+def test_any_field_of_any_type_never_crashes_the_analysis(tmp_path):
+    """Random fields of the unit traces set to values of every JSON type (huge integers, null, strings,
+    lists, objects, bools) in both layouts: the analysis reads, skips or refuses (TraceLoadError), and
+    never raises anything else. (It found five crashes: a string or huge correlation, a huge ts / dur /
+    thread id.)"""
+    import random
+
+    from meshkit.profiling.overlap import analyze
+    from meshkit.profiling.trace import TraceLoadError
+
+    rng = random.Random(0)
+    values = ["abc", "12", 10 ** 400, -10 ** 400, None, [], {}, True, 1.5, -3, 0, 2 ** 63, "", {"x": 1}]
+    fields = ["ph", "cat", "name", "ts", "dur", "tid", "args", "args.correlation", "args.stream"]
+    for i in range(120):
+        events = [dict(e, args=dict(e.get("args", {}))) for e in rng.choice((cuda_rank, cpu_rank))(0)]
+        for _ in range(rng.randint(1, 3)):
+            ev, key, value = rng.choice(events), rng.choice(fields), rng.choice(values)
+            if not key.startswith("args."):
+                ev[key] = value
+            elif isinstance(ev.get("args"), dict):
+                ev["args"][key[5:]] = value
+        d = tmp_path / str(i)
+        d.mkdir()
+        write_trace(d / "rank0.1.pt.trace.json", 0, 1, events, kineto_style=rng.random() < 0.7)
+        try:
+            analyze(str(d))
+        except TraceLoadError:
+            pass
