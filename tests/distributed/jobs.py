@@ -11,7 +11,10 @@ rank's environment and working folder, stdin from /dev/null, stdout and stderr i
 worker run by ``runpy`` as ``__main__`` (``__main__.__spec__`` names the module, as Lightning's launcher
 needs to start the other ranks of ``start_plain``). The test gets a :class:`Rank`: the child's real pid (to
 SIGKILL, SIGSTOP, look up in /proc) and ``poll``/``wait``/``returncode`` as ``subprocess.Popen`` has them,
-fed by the exit statuses that the server, the child's parent, reaps and reports over a pipe::
+fed by the exit statuses that the server, the child's parent, reaps and reports over a pipe. What a fork
+does not give a rank is its own interpreter start: the session's ranks share the server's str hash seed and
+numpy's global RNG state (torch's default generator is at its fixed default seed either way; Python's
+``random`` reseeds on fork). The fault workers depend on neither; tests/dist_pool.py's pools still spawn::
 
     ranks = start(2, "save", str(d), "none", "-1", log_dir=d)
     assert wait(ranks, 300) == [0, 0], logs(d)
@@ -253,6 +256,7 @@ def _fork(request: dict) -> int:
     os.close(log)
     os.close(null)
     os.chdir(request["cwd"])
+    sys.path[0] = os.getcwd()  # `python -m`'s first entry: the folder it starts in
     os.environ.clear()
     os.environ.update(request["env"])
     return 0

@@ -40,7 +40,7 @@ def test_a_forked_rank_starts_as_python_m_would(server, tmp_path):
     seen = json.loads((tmp_path / "rank3.log").read_text())
     assert seen["argv"] == [str(jobs.ROOT / "tests" / "fixtures" / "fork_probe.py"), "env", "a b"]
     assert seen["main_spec"] == PROBE  # Lightning's launcher starts the other ranks with `-m` of this
-    assert seen["env"] == env and seen["cwd"] == str(tmp_path)
+    assert seen["env"] == env and seen["cwd"] == seen["path0"] == str(tmp_path)
     assert seen["session_leader"] and seen["stdin"] == "" and seen["threads"] == 1
 
 
