@@ -1,4 +1,5 @@
-"""One rank of a fault-injection job, launched as its own process by the fault tests (torchrun's environment).
+"""One rank of a fault-injection job, a process of its own (torchrun's environment), started as below: forked by
+tests.distributed.jobs's fork server, which runs this module as ``__main__`` as ``python -m`` would.
 
     python -m tests.distributed.fault_worker save   CKPT_DIR PHASE KILL_RANK   # 4 steps, last.ckpt at 2 and 4; SIGKILL at PHASE of the 2nd last.ckpt save
     python -m tests.distributed.fault_worker resume CKPT_PATH OUT_DIR [LAYERS] # restore CKPT_PATH, no training; write params + step
