@@ -392,8 +392,9 @@ class _Sink:
         self.ccomm_s, self.ccomm_e, self.ccomm_tid = f(), f(), f()
         self.ccomm_names: list[str] = []
         self.pp_s, self.pp_e = f(), f()
-        self.phases: list[tuple[str, float, float, Any, bool]] = []
-        self.steps: list[tuple[int, float, float, Any]] = []
+        self.phases: list[tuple[str, float, float, float | None, bool]] = []
+        self.steps: list[tuple[int, float, float, float | None]] = []
+        """(step, start, end, thread id or None: :func:`_thread`), as for ``phases`` after the phase."""
         self.events = 0
         self.complete = 0
         """Complete ("X") events kept (every one checked, see :func:`_bad_reason`)."""
@@ -424,17 +425,16 @@ class _Sink:
         order = np.argsort(codes, kind="stable")
         order = order[:len(order) - int(np.count_nonzero(codes == _NOT_X))]
         xs = list(map(batch.__getitem__, order.tolist()))
-        codes = codes[order]
+        bounds = _bounds(codes[order])
         times = None if isinstance(batch, _Loose) else _times(xs)
-        corrs = None if times is None else _correlations(xs, codes)
+        corrs = None if times is None else _correlations(xs, bounds)
         if times is None or corrs is None:  # check each complete event, in category then file order; regroup
             xs = self._drop_bad(sorted(xs, key=_CAT))
             xs.sort(key=lambda ev: self._cat_code[ev.cat])
-            codes = np.fromiter(map(self._cat_code.__getitem__, map(_CAT, xs)), dtype=np.int8, count=len(xs))
-            times, corrs = _times(xs), _correlations(xs, codes)  # every event left passed _bad_reason
+            bounds = _bounds(np.array([self._cat_code[ev.cat] for ev in xs], dtype=np.int8))
+            times, corrs = _times(xs), _correlations(xs, bounds)  # every event left passed _bad_reason
         self.complete += len(xs)
         ts, te = times  # type: ignore[misc]
-        bounds = _bounds(codes)
         for code, cat in enumerate(_KEPT_CATS):
             lo, hi = int(bounds[code]), int(bounds[code + 1])
             if lo == hi:
@@ -494,9 +494,9 @@ class _Sink:
             elif name.startswith("PP:"):
                 self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + ev.dur)
             elif (phase := _phase_of(name)) is not None:
-                self.phases.append((phase, ev.ts, ev.ts + ev.dur, ev.tid, name.startswith("meshkit:")))
+                self.phases.append((phase, ev.ts, ev.ts + ev.dur, _thread(ev.tid), name.startswith("meshkit:")))
             elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
-                self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, ev.tid))
+                self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, _thread(ev.tid)))
 
 
 _OP, _WAIT, _ENGINE = 1, 2, 3
@@ -511,14 +511,16 @@ _CORR_CODES = tuple(_KEPT_CATS.index(c) for c in ("cuda_driver", "cuda_runtime",
 
 
 def _bounds(codes: np.ndarray) -> np.ndarray:
-    """Where each of :data:`_KEPT_CATS`' groups starts in sorted ``codes`` (and where the last ends)."""
+    """Where each of :data:`_KEPT_CATS`' groups starts in the sorted codes of the complete events (and
+    where the last ends)."""
     return np.searchsorted(codes, np.arange(len(_KEPT_CATS) + 1), side="left")
 
 
-def _correlations(xs: list[_Event], codes: np.ndarray) -> dict[int, np.ndarray] | None:
-    """Per launch or kernel group: each event's correlation id as a double (NaN: none), one pass in C;
-    None when one is not a number or too large for a double (then each event is checked)."""
-    bounds, out = _bounds(codes), {}
+def _correlations(xs: list[_Event], bounds: np.ndarray) -> dict[int, np.ndarray] | None:
+    """Per launch or kernel group (``bounds``: :func:`_bounds`): each event's correlation id as a double
+    (NaN: none), one pass in C; None when one is not a number or too large for a double (then each event
+    is checked)."""
+    out = {}
     for code in _CORR_CODES:
         lo, hi = int(bounds[code]), int(bounds[code + 1])
         if lo == hi:
@@ -577,8 +579,14 @@ def _put(col: array, values: np.ndarray) -> None:
     col.frombytes(memoryview(values).cast("B"))
 
 
+def _thread(tid: Any) -> float | None:
+    """A thread id as the double it is compared as; None when it is not an integer a double holds."""
+    return float(tid) if isinstance(tid, int) and _finite(tid) else None
+
+
 def _tid(ev: _Event) -> float:
-    return float(ev.tid) if isinstance(ev.tid, int) and _finite(ev.tid) else -1.0
+    tid = _thread(ev.tid)
+    return -1.0 if tid is None else tid
 
 
 def _floats(evs: list[_Event], get: Any, slow: Any) -> array:
@@ -834,8 +842,7 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
             rt.peak = meta["meshkit_peak"]
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
-    tids = {st[3] for st in steps if isinstance(st[3], (int, float)) and _finite(st[3])}
-    main = np.array(sorted(map(float, tids)))
+    main = np.array(sorted({st[3] for st in steps if st[3] is not None}))
     # (tid == each main thread id): np.isin's first call imports numpy.ma (40 ms of CPU); main holds 1-2 ids
     on_main = (lambda tid: (tid[:, None] == main).any(axis=1)) if main.size else (
         lambda tid: np.ones(tid.shape, dtype=bool))
@@ -846,7 +853,7 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
     by_phase: dict[str, tuple[list, list]] = {}
     for s in sinks:
         for phase, start, end, tid, mk in s.phases:
-            if not main.size or (isinstance(tid, (int, float)) and _finite(tid) and float(tid) in main):
+            if not main.size or (tid is not None and tid in main):
                 for key in (phase, "meshkit:optimizer") if (phase == "optimizer" and mk) else (phase,):
                     by_phase.setdefault(key, ([], []))[0].append(start), by_phase[key][1].append(end)
     if "forward_backward" in by_phase:  # meshkit's markers: torch's optimizer spans may wrap the closure
@@ -932,7 +939,7 @@ def _cuda_step_windows(steps: list, sinks: list[_Sink], cat: Any) -> tuple[np.nd
     kk = k[ok]
     order = np.argsort(kk, kind="stable")
     kk = kk[order]
-    first = np.flatnonzero(np.concatenate([kk[:1] == kk[:1], kk[1:] != kk[:-1]]))
+    first = np.flatnonzero(np.diff(kk, prepend=-1))  # each step's first event (k >= 0)
     ids = np.array([st[0] for st in steps], dtype=np.int64)[kk[first]]
     win = np.empty((first.size, 2))
     if first.size:
