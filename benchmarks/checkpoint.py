@@ -6,7 +6,7 @@ state, plus a larger model (dim 1024, 8 layers, vocab 32000: 1.9 GB, one rank's 
 
 - ``dcp``      ``torch.distributed.checkpoint.save`` into the folder + ``torch.save(meta.pt)``: what
                Lightning's ModelParallelStrategy does (in place, no fsync of meta.pt, no manifest)
-- ``meshkit``  :func:`meshkit.plugins.checkpointing.save_checkpoint`: ``.partial`` sibling, fsync,
+- ``meshkit``  :func:`meshkit.plugins.checkpoint.save_checkpoint`: ``.partial`` sibling, fsync,
                every file CRC-32'd as it is written, manifest, atomic rename over the previous checkpoint
 
 and ``crc32_readback``: reading every file of the checkpoint back and CRC-32ing it, which is what the
@@ -29,17 +29,13 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
 from meshkit.models import LlamaConfig, LlamaLM  # noqa: E402
-from meshkit.plugins.checkpointing import HASH, MANIFEST, save_checkpoint  # noqa: E402
-
-_STUB = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0, world_size=1,
-                        _save_distributed_checkpoint=True)
+from meshkit.plugins.checkpoint import HASH, MANIFEST, save_checkpoint  # noqa: E402
 
 
 def _state(config: LlamaConfig) -> tuple[dict, dict, int]:
@@ -67,8 +63,7 @@ def _dcp(root: Path, params: dict, rest: dict) -> tuple[float, float]:
 
 def _meshkit(root: Path, params: dict, rest: dict) -> tuple[float, float]:
     t, c = time.perf_counter(), time.process_time()
-    save_checkpoint(_STUB, {"state_dict": dict(params), "optimizer_states": [rest["optim"]], **rest["meta"]},
-                    root / "last.ckpt")
+    save_checkpoint(root / "last.ckpt", dict(params), [rest["optim"]], rest["meta"])
     return time.perf_counter() - t, time.process_time() - c
 
 

@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from meshkit.plugins.planner import ModelSpec, plan  # noqa: E402
+from meshkit.planner import ModelSpec, plan  # noqa: E402
 
 LLAMA3_70B = ModelSpec(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA3_405B = ModelSpec(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)

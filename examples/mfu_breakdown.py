@@ -76,7 +76,11 @@ def main() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, logger=logger,
                         callbacks=[monitor], log_every_n_steps=1, enable_checkpointing=False,
                         enable_model_summary=False)
-    trainer.fit(LlamaLM(config), loader)
+    # two validation batches (no sleep) at the epoch's end: LlamaLM has a validation_step, and without a loader
+    # Lightning says so ("You defined a `validation_step` but have no `val_dataloader`"); the breakdown counts it
+    # in its `validation` part
+    val_loader = torch.utils.data.DataLoader(list(tokens[:8]), batch_size=4)
+    trainer.fit(LlamaLM(config), loader, val_loader)
 
     data_wait = read_scalar(trainer.log_dir, DATA_WAIT_TAG)
     if not data_wait:

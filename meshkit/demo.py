@@ -37,12 +37,6 @@ def run_demo(
 ) -> Any:
     """Train the demo model; returns the Trainer (on every rank)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # several processes share the cores
-    import warnings
-
-    # Lightning 2.6's own pytree helper calls torch's deprecated `isinstance(treespec, LeafSpec)` (torch >= 2.10):
-    # harmless, Lightning's to fix, and printed once per rank. The demo hides exactly that line; meshkit's
-    # strategy does not filter it for users' own runs.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -61,13 +55,23 @@ def run_demo(
     # The data holds `steps` batches for every rank (enough when all ranks are data parallel); ranks of one
     # tp/cp/pp group share batches, so a rank's sampler sees more than `steps`. limit_train_batches makes the
     # epoch exactly `steps` batches on every preset, and the progress bar ends at steps/steps.
+    # No Lightning model summary: its FLOPs column needs a forward of `example_input_array` on rank 0 alone, which
+    # a sharded model cannot run (it showed "FLOPs 0"); the demo prints parameters and model FLOPs itself.
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, max_epochs=1, logger=logger,
         log_every_n_steps=1, enable_checkpointing=False, callbacks=callbacks, limit_val_batches=0,
-        limit_train_batches=steps,
+        limit_train_batches=steps, enable_model_summary=False,
     )
     data = TokenDataModule(num_sequences=steps * batch_size * devices, seq_len=seq_len, batch_size=batch_size)
-    trainer.fit(LlamaLM(config, lr=3e-3), data)
+    module = LlamaLM(config, lr=3e-3)
+    if trainer.is_global_zero:
+        from meshkit.profiling.flops import model_flops_per_token
+
+        params = sum(p.numel() for p in module.parameters())
+        print(f"meshkit demo: Llama-style model, {params / 1e6:.2f} M parameters, "
+              f"{model_flops_per_token(module.model, seq_len) / 1e6:.1f} MFLOPs per token trained "
+              f"(6N + 12·L·H·Q·T, PaLM appendix B)")
+    trainer.fit(module, data)
     if trainer.is_global_zero:
         print(f"\nmeshkit demo: {trainer.strategy.parallel_dims} trained {trainer.global_step} steps, "
               f"final loss {float(trainer.callback_metrics['train_loss']):.3f}")
@@ -88,9 +92,3 @@ def _profiling_callbacks() -> list[Any]:
 def run_cli(args: argparse.Namespace) -> int:
     run_demo(args.devices, args.steps, args.strategy, args.logdir, args.seq_len, args.batch_size)
     return 0
-
-
-if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
-    from meshkit.verbs import not_a_command
-
-    not_a_command("meshkit.demo")

@@ -1,10 +1,10 @@
 """One catalog of accelerators: dense peaks with sources, memory, HBM and link bandwidths, arch, SMs.
 
-Ground floor: both :mod:`meshkit.plugins` (the planner) and :mod:`meshkit.profiling` (MFU peaks,
+Ground floor: both :mod:`meshkit.planner` and :mod:`meshkit.profiling` (MFU peaks,
 occupancy waves) read their device facts here, through one name matcher. Each row is one product
 variant; a field a row does not know is ``None`` (empty ``peaks``), and the views built on the
 catalog skip such rows: ``meshkit.profiling.flops.PEAK_TABLE`` (rows with peaks),
-``meshkit.plugins.planner.GPU_TABLE`` (rows with memory and links), ``meshkit.profiling.occupancy.GPUS``
+``meshkit.planner.GPU_TABLE`` (rows with memory and links), ``meshkit.profiling.occupancy.GPUS``
 (rows with an SM count). Pure Python, no torch.
 
 Example::

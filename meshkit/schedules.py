@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "MICROBATCHES_PER_STAGE",
+    "recommended_microbatches",
     "SCHEDULE_NAMES",
     "ALIASES",
     "ScheduleFacts",
@@ -136,6 +138,22 @@ def resolve_virtual_stages(schedule: str, virtual_stages: int | None) -> int:
     return v
 
 
+MICROBATCHES_PER_STAGE = 2
+"""The micro-batch rule meshkit recommends: m ≥ 2·p micro-batches for p pipeline ranks (the 1F1B bubble
+(p − 1)/(m + p − 1) is then under a third; more micro-batches of a fixed batch shrink each GEMM). The pipeline's default
+m and the doctor's warning read it (before issue 25 the doctor warned below 4p, seed 002's figure, while the pipeline
+defaulted to 2p); what torch can run at all is :func:`microbatches_problem`, which the planner applies."""
+
+
+def recommended_microbatches(pp: int) -> int:
+    """The fewest micro-batches :data:`MICROBATCHES_PER_STAGE` recommends for ``pp`` pipeline ranks.
+
+    >>> recommended_microbatches(4)
+    8
+    """
+    return MICROBATCHES_PER_STAGE * pp
+
+
 def min_microbatches(schedule: str, pp: int, virtual_stages: int = 1) -> int:
     """The fewest micro-batches torch runs ``schedule`` with: 1, or one per stage (pp · v)."""
     return pp * virtual_stages if schedule_facts(schedule).min_microbatches == "stages" else 1
@@ -192,9 +210,13 @@ def step_time(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1
     return float(ideal + bubble), float(ideal)
 
 
-def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of an ideal pipeline: equal stages, free communication, forward = input-gradient
-    = weight-gradient time (backward = 2 × forward). ``virtual_stages`` is ignored by single-stage schedules.
+def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1, *,
+                       tf: float = 1.0, tb: float = 1.0, tw: float = 1.0) -> float:
+    """Idle fraction of an ideal pipeline: equal stages, free communication; by default forward =
+    input-gradient = weight-gradient time (backward = 2 × forward). ``tf``, ``tb``, ``tw`` as in
+    :func:`step_time` (a schedule that does not split its backward runs ``tb + tw`` as one, so ``tw=0``
+    makes ``tb`` the full backward). ``virtual_stages`` is ignored by single-stage schedules.
+    The one bubble theory: the planner, the pipeline config warning, the doctor and ``meshkit bubble`` call it.
 
     GPipe/1F1B (p-1)/(m+p-1); interleaved and looped BFS (p-1)/(v·m+p-1) for m ≥ p; the zero-bubble
     family (p-1)/(3·v·m+p-1) for m ≥ p. Formulas and sources: :func:`step_time`.
@@ -202,5 +224,5 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, virtual_stages
     >>> round(theoretical_bubble("gpipe", 4, 8), 4), round(theoretical_bubble("interleaved_1f1b", 4, 8, 2), 4)
     (0.2727, 0.1579)
     """
-    total, ideal = step_time(schedule, pp, microbatches, virtual_stages)
+    total, ideal = step_time(schedule, pp, microbatches, virtual_stages, tf=tf, tb=tb, tw=tw)
     return (total - ideal) / total

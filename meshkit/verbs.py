@@ -1,6 +1,7 @@
-"""Ground floor: the verbs of the ``meshkit`` command line, each with the module that owns it, and the one
-line such a module prints when run by itself (``python -m meshkit.profiling.bubble``): it is a library module,
-not a command, so it names its verb and exits 2.
+"""Ground floor: the verbs of the ``meshkit`` command line, each with the module that owns it.
+
+``meshkit VERB`` (or ``python -m meshkit VERB``) is the one command line; a verb's module is a library
+module with no ``__main__`` block (``tests/unit/test_entry_points.py``).
 
     >>> VERBS["bubble"][0]
     'meshkit.profiling.bubble'
@@ -10,17 +11,14 @@ not a command, so it names its verb and exits 2.
 
 from __future__ import annotations
 
-import sys
-from typing import NoReturn
-
-__all__ = ["VERBS", "verb_of", "not_a_command"]
+__all__ = ["VERBS", "verb_of"]
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "demo": ("meshkit.demo", "train a small Llama on CPU gloo processes with strategy='hsdp_tp'"),
-    "consolidate": ("meshkit.plugins.checkpointing", "turn a sharded (DCP) checkpoint into one state-dict file"),
+    "consolidate": ("meshkit.plugins.checkpoint.consolidate", "turn a sharded (DCP) checkpoint into one state-dict file"),
     "plan": (
-        "meshkit.plugins.planner.cli",
+        "meshkit.planner.cli",
         "rank every dp/pp/cp/tp layout of a model on a cluster: memory, comm, bubble, predicted MFU",
     ),
     "analyze": (
@@ -43,10 +41,3 @@ def verb_of(module: str) -> str:
     """The verb whose module is ``module`` or a package holding it (``meshkit.doctor.cli``: ``doctor``)."""
     (verb,) = [v for v, (m, _) in VERBS.items() if module == m or module.startswith(m + ".")]
     return verb
-
-
-def not_a_command(module: str) -> NoReturn:
-    """What a verb's module does under ``python -m``: one line on stderr naming the verb, exit status 2."""
-    verb = verb_of(module)
-    print(f"{module} is not a command: run `meshkit {verb}` (or `python -m meshkit {verb}`).", file=sys.stderr)
-    raise SystemExit(2)

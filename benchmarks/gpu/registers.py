@@ -79,7 +79,8 @@ def fixture_rows(arch: str, cache: str, cuda: bool, small: bool) -> dict[str, An
 
 
 def _run_builtin_ops() -> None:
-    """One bf16 forward + backward of each meshkit op at Llama-3-8B width, so Triton loads its kernels."""
+    """One bf16 forward + backward of each meshkit op at Llama-3-8B width, so Triton loads its kernels (and RMSNorm
+    at Llama-3-405B's 16384, for its column-split backward)."""
     import meshkit.kernels as mk
 
     def r(*shape):
@@ -88,6 +89,7 @@ def _run_builtin_ops() -> None:
     x, w = r(256, 4096), r(4096)
     mk.add_rms_norm(x, r(256, 4096), w, 1e-5)[0].sum().backward()
     mk.rms_norm(x, w, 1e-5).sum().backward()
+    mk.add_rms_norm(r(64, 16384), r(64, 16384), r(16384), 1e-5)[0].sum().backward()
     mk.swiglu(r(256, 14336), r(256, 14336)).sum().backward()
     q, k = mk.rope(r(2, 128, 32, 128), r(2, 128, 8, 128), torch.arange(128, device="cuda"), theta=500000.0)
     (q.sum() + k.sum()).backward()

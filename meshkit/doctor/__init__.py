@@ -9,6 +9,9 @@
 Doctor sits on the top floor beside ``meshkit/cli.py``: it reads plugins/ (the mesh and layout) and
 profiling/ (the measurements).
 
+Names load on first use (:mod:`meshkit.lazy`): ``meshkit doctor`` checks its LOGDIR before torch or Lightning
+is imported, and a log directory holding ``doctor.json`` is read without them.
+
 >>> from meshkit.doctor import few_microbatches
 >>> few_microbatches("1f1b", pp=2, microbatches=2).id
 'few_microbatches'
@@ -16,17 +19,13 @@ profiling/ (the measurements).
 
 from __future__ import annotations
 
-from meshkit.doctor.callback import Doctor, ensure_doctor, previous_run
-from meshkit.doctor.checks import (dp_overlap, few_microbatches, global_batch_changed, identical_batches,
-                                   low_occupancy, mfu_band, one_fsdp_unit, pp_unbalanced, preset_fallback,
-                                   straggler, tp_across_nodes, unused_parameters, zero3_exposed_allgather)
-from meshkit.doctor.cli import configure_parser, diagnose_logdir, run_cli
-from meshkit.doctor.findings import RULES, SEVERITIES, Finding, format_findings, read_report, write_report
+from meshkit.lazy import lazy_names as _lazy_names
 
 __all__ = [
     "Doctor",
-    "ensure_doctor",
     "previous_run",
+    "fsdp_units",
+    "FsdpUnit",
     "Finding",
     "RULES",
     "SEVERITIES",
@@ -50,3 +49,14 @@ __all__ = [
     "configure_parser",
     "run_cli",
 ]
+
+_WHERE = {
+    **dict.fromkeys(("Doctor", "previous_run", "fsdp_units"), "meshkit.doctor.callback"),
+    **dict.fromkeys(("FsdpUnit", "dp_overlap", "few_microbatches", "global_batch_changed", "identical_batches",
+                     "low_occupancy", "mfu_band", "one_fsdp_unit", "pp_unbalanced", "preset_fallback", "straggler",
+                     "tp_across_nodes", "unused_parameters", "zero3_exposed_allgather"), "meshkit.doctor.checks"),
+    **dict.fromkeys(("configure_parser", "diagnose_logdir", "run_cli"), "meshkit.doctor.cli"),
+    **dict.fromkeys(("RULES", "SEVERITIES", "Finding", "format_findings", "read_report", "write_report"),
+                    "meshkit.doctor.findings"),
+}
+__getattr__, __dir__ = _lazy_names(__name__, _WHERE)

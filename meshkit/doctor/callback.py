@@ -10,11 +10,13 @@ cross-rank checks (``identical_batches``, ``straggler``), the pipeline timeline 
 CUDA profiler traces (``zero3_exposed_allgather``) and MFUMonitor's MFU (``mfu_band``); at fit end
 TritonKernelReport's kernels (``low_occupancy``; put Doctor after it in ``callbacks``). Rank 0
 writes ``<log_dir>/doctor.json``, a markdown table to TensorBoard's text tab, and prints the findings once.
+``Doctor(mfu=True)`` also switches MFUMonitor on (one callback for both); the measuring side knows nothing
+of the Doctor (profiling/ imports nothing above it).
 
 Example::
 
     >>> import lightning as L, meshkit
-    >>> trainer = L.Trainer(callbacks=[meshkit.Doctor()], max_steps=10)  # doctest: +SKIP
+    >>> trainer = L.Trainer(callbacks=[meshkit.Doctor(mfu=True)], max_steps=10)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from typing_extensions import override
 from meshkit.doctor import checks
 from meshkit.doctor.findings import REPORT_FILE, Finding, findings_markdown, format_findings, merge_ranks, \
     read_report, write_report
+from meshkit.profiling.mfu import MFUMonitor, batch_tokens, sequence_shards
+from meshkit.quiet import quiet_lightning_pytree
 
-__all__ = ["Doctor", "ensure_doctor", "previous_run"]
+__all__ = ["Doctor", "previous_run", "traces_findings", "with_traces", "fsdp_units"]
 
 
 class Doctor(Callback):
@@ -48,18 +52,25 @@ class Doctor(Callback):
         warmup_steps: first steps left out of timing.
         log_dir: where ``doctor.json`` goes (default: the trainer's ``log_dir``).
         print_report: print the findings on rank 0 at fit end.
+        mfu: also measure MFU (``mfu_band``): ``True`` adds ``MFUMonitor()`` unless the Trainer has one; an
+            ``MFUMonitor(...)`` is added as configured. Either goes just before the Doctor in ``callbacks``
+            (it must finish its steps first) and is set up at once.
 
     After ``fit``, rank 0's ``doctor.findings`` holds the list (other ranks: what they saw themselves).
     """
 
     def __init__(self, *, hash_batches: int = 2, probe_steps: int = 20, warmup_steps: int = 1,
-                 log_dir: str | None = None, print_report: bool = True) -> None:
+                 log_dir: str | None = None, print_report: bool = True,
+                 mfu: bool | MFUMonitor = False) -> None:
         for name, value in (("hash_batches", hash_batches), ("probe_steps", probe_steps),
                             ("warmup_steps", warmup_steps)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Doctor: `{name}={value!r}` must be an int >= 0.")
+        if not isinstance(mfu, (bool, MFUMonitor)):
+            raise ValueError(f"Doctor: `mfu={mfu!r}` must be True, False or an `MFUMonitor(...)`.")
         self.hash_batches, self.probe_steps, self.warmup_steps = hash_batches, probe_steps, warmup_steps
-        self.log_dir, self.print_report = log_dir, print_report
+        self.log_dir, self.print_report, self.mfu = log_dir, print_report, mfu
+        self._resetup: Any = None  # the trainer whose hook loop visits this Doctor's setup once more
         self.findings: list[Finding] = []
         self.run: dict[str, Any] = {}
         self._active = False
@@ -67,8 +78,14 @@ class Doctor(Callback):
     # ------------------------------------------------------------------ setup: layout
     @override
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        quiet_lightning_pytree()  # Lightning's own LeafSpec warning, also in a one-device run (meshkit.quiet)
         if stage != "fit":
             return
+        if self._resetup is trainer:  # the hook loop again, after _add_monitor put one before us
+            self._resetup = None
+            return
+        if self.mfu is not False:
+            self._add_monitor(trainer, pl_module, stage)
         self._active = True
         self.findings, self._local = [], []
         self._hashes: list[str] = []
@@ -100,16 +117,36 @@ class Doctor(Callback):
         else:  # plain data parallel: every rank its own replica
             self._grid, self._order = checks.rank_grid({"dp_shard": self._world}, ("dp_shard",)), ("dp_shard",)
 
+    def _add_monitor(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """``mfu=``: the MFUMonitor goes just before this Doctor (its last step is read at train end, before
+        the Doctor's), set up now, on every rank. Lightning's hook loop walks ``trainer.callbacks`` itself,
+        so it reaches this Doctor's ``setup`` once more: that call returns at once (``_resetup``)."""
+        present = [cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)]
+        if self.mfu is True and present or self.mfu in present:
+            return
+        if present:
+            raise ValueError(
+                "Doctor: `mfu=` passes an MFUMonitor but the Trainer's callbacks hold another one: pass "
+                "`mfu=True` to use the Trainer's, or remove one of them."
+            )
+        monitor = MFUMonitor() if self.mfu is True else self.mfu
+        trainer.callbacks.insert(trainer.callbacks.index(self), monitor)
+        monitor.setup(trainer, pl_module, stage)
+        self._resetup = trainer
+
     def _add(self, finding: Finding | None) -> None:
         if finding is not None:
             self._local.append(finding)
 
     @override
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._resetup = None  # after setup's loop in any case: a loop that did not come back leaves nothing
+
+    @override
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._active or self._dims is None:
             return
-        self._add(checks.one_fsdp_unit(_fsdp_unit_parameters(trainer.strategy.model or pl_module),
-                                       self._dims.fsdp_enabled))
+        self._add(checks.one_fsdp_unit(fsdp_units(trainer.strategy.model or pl_module), self._dims.fsdp_enabled))
 
     # ------------------------------------------------------------------ per step
     def _probing(self) -> bool:
@@ -160,8 +197,6 @@ class Doctor(Callback):
 
     def _first_step(self, trainer: Any, batch: Any) -> None:
         """Batch arithmetic, once the first batch's size is known."""
-        from meshkit.profiling.mfu import batch_tokens, sequence_shards
-
         local = _batch_size(batch)
         accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
         dp = self._dims.dp_size if self._dims is not None else self._world
@@ -205,7 +240,8 @@ class Doctor(Callback):
                                                                  if a in self._order])
         crosses = any(len({self._node_of[r] for r in g}) > 1 for g in dp_groups) if len(self._node_of) > 1 else False
         link, bw = ("inter-node", row.inter_bw_gbs) if crosses else ("intra-node", row.intra_bw_gbs)
-        return checks.dp_overlap(tokens, peak.flops, float(bw), dp, link, measured_peak=peak.kind == "measured")
+        return checks.dp_overlap(tokens, peak.flops, float(bw), dp, link, measured_peak=peak.kind == "measured",
+                                 gpu=row.key)
 
     # ------------------------------------------------------------------ end: gather, cross-rank checks
     @override
@@ -223,7 +259,8 @@ class Doctor(Callback):
             return
         found = merge_ranks([[Finding.from_dict(d) for d in p["findings"]] for p in everyone])
         found.extend(self._cross_rank(everyone))
-        found.extend(self._from_files(trainer))
+        files, traced = self._from_files(trainer)
+        found = with_traces(found, files, traced)
         found.extend(_mfu_findings(trainer))
         self.findings = merge_ranks([found])
         write_report(self._log_dir, self.findings, self.run)
@@ -241,8 +278,9 @@ class Doctor(Callback):
                 out.append(f) if f else None
         return out
 
-    def _from_files(self, trainer: Any) -> list[Finding]:
-        """pp_unbalanced from the pipeline timeline, zero3_exposed_allgather from CUDA profiler traces."""
+    def _from_files(self, trainer: Any) -> tuple[list[Finding], bool]:
+        """pp_unbalanced from the pipeline timeline; zero3_exposed_allgather and the straggler from the profiler
+        traces; and whether there were readable traces."""
         out: list[Finding] = []
         from meshkit.timeline import find_timeline_dir, read_timeline
 
@@ -254,8 +292,13 @@ class Doctor(Callback):
                 out.append(f) if f else None
             except ValueError:
                 pass
-        out.extend(traces_findings(os.path.join(self._log_dir, "profiler")))
-        return out
+        from meshkit.profiling.trace import find_trace_files
+
+        trace_dir = os.path.join(self._log_dir, "profiler")
+        traced = traces_findings(trace_dir)
+        readable = os.path.isdir(trace_dir) and bool(find_trace_files(trace_dir)) and not any(
+            f.id == "unreadable_trace" for f in traced)
+        return out + traced, readable
 
     # ------------------------------------------------------------------ fit end: kernels, report
     @override
@@ -281,19 +324,10 @@ class Doctor(Callback):
 # --------------------------------------------------------------------------------- helpers
 
 
-def ensure_doctor(trainer: Any, pl_module: Any, stage: str) -> Doctor:
-    """The trainer's Doctor, added (and set up) if it has none: the one call MFUMonitor.setup makes to switch it on."""
-    for cb in trainer.callbacks:
-        if isinstance(cb, Doctor):
-            return cb
-    doctor = Doctor()
-    trainer.callbacks.append(doctor)
-    doctor.setup(trainer, pl_module, stage)
-    return doctor
-
-
 def traces_findings(trace_dir: str) -> list[Finding]:
-    """zero3_exposed_allgather from the torch.profiler traces under ``trace_dir`` (none if there are none)."""
+    """zero3_exposed_allgather and the straggler (:func:`~meshkit.doctor.checks.traced_straggler`: the rank
+    ``meshkit analyze`` names) from the torch.profiler traces under ``trace_dir`` (none if there are none)."""
+    from meshkit.profiling.overlap import analyze
     from meshkit.profiling.trace import find_trace_files, load_windows
 
     if not os.path.isdir(trace_dir) or not find_trace_files(trace_dir):
@@ -308,7 +342,20 @@ def traces_findings(trace_dir: str) -> list[Finding]:
         for f in checks.zero3_exposed_allgather(window.ranks):
             if f.rank not in worst or f.evidence["fraction"] > worst[f.rank].evidence["fraction"]:
                 worst[f.rank] = f
-    return [worst[r] for r in sorted(worst)]
+    out = [worst[r] for r in sorted(worst)]
+    try:
+        f = checks.traced_straggler(analyze(trace_dir))
+    except ValueError:
+        return out
+    return out + ([f] if f else [])
+
+
+def with_traces(found: list[Finding], from_traces: list[Finding], traced: bool) -> list[Finding]:
+    """``found`` (the probe's findings among them) and the traces' findings; with readable traces the probe's
+    ``straggler`` gives way to theirs (:func:`~meshkit.doctor.checks.traced_straggler`, the rank ``meshkit
+    analyze`` names), present or not: the probe cannot tell a slow rank from one that waited for it."""
+    kept = [f for f in found if not (traced and f.id == "straggler")]
+    return kept + list(from_traces)
 
 
 def _mfu_findings(trainer: Any) -> list[Finding]:
@@ -345,21 +392,52 @@ def previous_run(log_dir: str) -> dict[str, Any]:
     return {}
 
 
-def _fsdp_unit_parameters(model: torch.nn.Module) -> list[int]:
-    """Each FSDP unit's own parameters (not those of units nested in it), counted unsharded."""
+def fsdp_units(model: torch.nn.Module) -> list[checks.FsdpUnit]:
+    """Each FSDP unit of ``model`` and what its own parameters are (see :class:`checks.FsdpUnit`), counted
+    unsharded; a parameter held by several modules (a tied embedding and LM head) counts once, in the first
+    module that holds it (the embedding, which comes first in HF and torchtitan models)."""
+    from torch import nn
     from torch.distributed.fsdp import FSDPModule
 
-    units: dict[int, int] = {}
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    block_of: dict[int, str] = {}  # module id -> the block stack entry holding it ("model.layers.0")
+    for name, stack in model.named_modules():
+        entries = list(stack.named_children()) if isinstance(stack, (nn.ModuleList, nn.ModuleDict)) else []
+        # one class (fully_shard swaps an entry's class for FSDP<class>: compare the class under it)
+        if entries and len({next(k for k in type(c).__mro__ if not issubclass(k, FSDPModule)) for _, c in entries}) == 1:
+            for n, entry in entries:
+                for sub in entry.modules():
+                    block_of.setdefault(id(sub), f"{name}.{n}" if name else n)
+    holders: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    units: dict[str, dict[str, Any]] = {}
+    seen: set[int] = set()
 
-    def walk(module: torch.nn.Module, owner: int | None) -> None:
-        owner = id(module) if isinstance(module, FSDPModule) else owner
-        if owner is not None:
-            units[owner] = units.get(owner, 0) + sum(p.numel() for p in module.parameters(recurse=False))
-        for child in module.children():
-            walk(child, owner)
+    def walk(module: torch.nn.Module, path: str, owner: str | None) -> None:
+        owner = path if isinstance(module, FSDPModule) else owner
+        for p in module.parameters(recurse=False):
+            if owner is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            u = units.setdefault(owner, {"parameters": 0, "embeddings": 0, "lm_head": 0, "block_parameters": 0,
+                                         "blocks": set(), "tied": 0})
+            n = p.numel()  # a DTensor's numel is the full (unsharded) size
+            u["parameters"] += n
+            u["tied"] += n if holders[id(p)] > 1 else 0
+            if id(module) in block_of:
+                u["block_parameters"] += n
+                u["blocks"].add(block_of[id(module)])
+            elif isinstance(module, nn.Embedding):
+                u["embeddings"] += n
+            elif isinstance(module, nn.Linear) and module.out_features in vocab:
+                u["lm_head"] += n
+        for name, child in module.named_children():
+            walk(child, f"{path}.{name}" if path else name, owner)
 
-    walk(model, None)
-    return list(units.values())
+    walk(model, "", None)
+    return [checks.FsdpUnit(name, **{**u, "blocks": len(u["blocks"])}) for name, u in units.items()]
 
 
 def _parallel_dims(strategy: Any) -> Any:

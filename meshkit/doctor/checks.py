@@ -7,20 +7,21 @@ deviation (× 1.4826, a standard deviation for normal noise) of the measurement 
 
 Example::
 
-    >>> few_microbatches("1f1b", pp=4, microbatches=4).evidence["needed"]
-    16
+    >>> few_microbatches("1f1b", pp=4, microbatches=4).evidence["needed"]   # 2p (schedules.MICROBATCHES_PER_STAGE)
+    8
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from meshkit.doctor.findings import Finding
 from meshkit.profiling.overlap import noise_floor
-from meshkit.schedules import theoretical_bubble
+from meshkit.schedules import MICROBATCHES_PER_STAGE, recommended_microbatches, theoretical_bubble
 from meshkit.timeline import TimelineRecord
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "axis_groups",
     "tp_across_nodes",
     "preset_fallback",
+    "FsdpUnit",
     "one_fsdp_unit",
     "few_microbatches",
     "dp_overlap",
@@ -36,6 +38,7 @@ __all__ = [
     "unused_parameters",
     "identical_batches",
     "straggler",
+    "traced_straggler",
     "pp_unbalanced",
     "zero3_exposed_allgather",
     "low_occupancy",
@@ -108,60 +111,112 @@ def preset_fallback(preset: Any, degrees: Mapping[str, int], num_nodes: int, wor
     return out
 
 
-def one_fsdp_unit(unit_parameters: Sequence[int], fsdp_enabled: bool, share: float = 0.5) -> Finding | None:
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One FSDP unit as :func:`one_fsdp_unit` reads it: the module path of the ``fully_shard``-ed module
+    (``""``: the root), its own parameters (not those of units nested in it; a tied weight counted once, where it
+    is first held), and how many of them are embeddings (``nn.Embedding``), the LM head (a ``Linear`` onto the
+    vocabulary, untied), entries of a block stack (``blocks`` of them, e.g. ``model.layers.0``), and of a weight
+    held by several modules (``tied``: a tied embedding / LM head), counted once."""
+
+    name: str
+    parameters: int
+    embeddings: int = 0
+    lm_head: int = 0
+    block_parameters: int = 0
+    blocks: int = 0
+    tied: int = 0
+
+
+def one_fsdp_unit(units: Sequence[FsdpUnit], fsdp_enabled: bool, share: float = 0.5) -> Finding | None:
     """FSDP on, but one unit holds more than ``share`` of the parameters: its all-gather is most of the
-    model at once, with nothing to overlap it (``unit_parameters``: each FSDP unit's own parameter count)."""
-    total = sum(unit_parameters)
-    if not fsdp_enabled or not unit_parameters or total == 0 or max(unit_parameters) <= share * total:
+    model at once, with nothing to overlap it. The finding names that unit and what makes it big:
+
+    - several blocks of a stack in one unit, or no block stack at all: "warning" (wrap per block);
+    - one block alone (the blocks are wrapped, one is most of the model): "warning" (split that block);
+    - the embeddings / LM head (the blocks are wrapped; a small model's vocabulary outweighs them): "info",
+      the model's shape, not a wrapping mistake.
+
+    >>> one_fsdp_unit([FsdpUnit("model", 64064, embeddings=64000), FsdpUnit("model.layers.0", 37000, blocks=1,
+    ...               block_parameters=37000), FsdpUnit("model.layers.1", 37000, blocks=1, block_parameters=37000)],
+    ...               True) is None  # a tied 1000 x 64 embedding counted once: 46 % of 138,064
+    True
+    """
+    total = sum(u.parameters for u in units)
+    if not fsdp_enabled or not units or total == 0:
         return None
-    return Finding("one_fsdp_unit", "warning", None, {
-        "fsdp_units": len(unit_parameters), "largest_unit_share": round(max(unit_parameters) / total, 4),
-        "largest_unit_parameters": int(max(unit_parameters)), "parameters": int(total)},
-        "The model has no repeated blocks meshkit can find, so FSDP gathers most of it at once and overlaps "
-        "nothing: keep the blocks in an nn.ModuleList (model.layers) or wrap them yourself in "
-        "configure_model with fully_shard per block.")
+    big = max(units, key=lambda u: u.parameters)
+    if big.parameters <= share * total:
+        return None
+    where = f"`{big.name}`" if big.name else "the root module"
+    vocab = big.embeddings + big.lm_head
+    other = big.parameters - vocab - big.block_parameters
+    evidence = {
+        "fsdp_units": len(units), "largest_unit": big.name, "largest_unit_share": round(big.parameters / total, 4),
+        "largest_unit_parameters": int(big.parameters), "parameters": int(total), "embeddings": int(big.embeddings),
+        "lm_head": int(big.lm_head), "tied": int(big.tied), "blocks": int(big.blocks),
+        "block_parameters": int(big.block_parameters), "other": int(other)}
+    share_txt = f"{big.parameters / total:.0%} of the parameters"
+    blocks_wrapped = any(u.blocks for u in units if u is not big)
+    if big.blocks == 1 and blocks_wrapped and big.block_parameters > big.parameters / 2:
+        return Finding("one_fsdp_unit", "warning", None, {**evidence, "holds": "a block"},
+                       f"The block {where} alone holds {share_txt}, so its all-gather has no neighbour to overlap "
+                       "with: make the blocks smaller, or fully_shard that block's submodules (attention, MLP) as "
+                       "units of their own in configure_model.")
+    if blocks_wrapped and big.blocks == 0 and vocab > big.parameters / 2:
+        holds = " and ".join(n for n, c in (("the embeddings", big.embeddings), ("the LM head", big.lm_head)) if c)
+        holds += f" (a tied weight of {big.tied:,} counted once)" if big.tied else ""
+        return Finding("one_fsdp_unit", "info", None, {**evidence, "holds": "embeddings / lm_head"},
+                       f"The FSDP unit {where} holds {holds}: {vocab:,} parameters, {share_txt}; the blocks are FSDP "
+                       "units of their own and the vocabulary outweighs them at this size (it shrinks as the blocks "
+                       "grow). Nothing to fix; to overlap that all-gather too, fully_shard the embedding and the LM "
+                       "head as units of their own in configure_model (a tied pair together).")
+    what = (f"{big.blocks} blocks of a block stack" if big.blocks >= 2 else
+            "the only block of its stack" if big.blocks == 1 else "no repeated blocks meshkit can find")
+    return Finding("one_fsdp_unit", "warning", None, {**evidence, "holds": "blocks" if big.blocks else "other"},
+                   f"The FSDP unit {where} holds {what} ({share_txt}), so FSDP gathers most of the model at once and "
+                   "overlaps nothing: keep two or more blocks in an nn.ModuleList (model.layers), or wrap them "
+                   "yourself in configure_model with fully_shard per block.")
 
 
 # ------------------------------------------------------------------------------ batch arithmetic
 
 
 def few_microbatches(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Finding | None:
-    """m < 4p: the pipeline bubble is larger than it needs to be (bubble from :func:`meshkit.schedules.theoretical_bubble`)."""
-    if pp < 2 or microbatches >= 4 * pp:
+    """m < 2p (:data:`meshkit.schedules.MICROBATCHES_PER_STAGE`): the pipeline bubble is larger than it needs to be (bubble from :func:`meshkit.schedules.theoretical_bubble`)."""
+    need = recommended_microbatches(pp)  # meshkit's one micro-batch rule (schedules.MICROBATCHES_PER_STAGE)
+    if pp < 2 or microbatches >= need:
         return None
     now = theoretical_bubble(schedule, pp, microbatches, virtual_stages)
-    then = theoretical_bubble(schedule, pp, 4 * pp, virtual_stages)
+    then = theoretical_bubble(schedule, pp, need, virtual_stages)
     return Finding("few_microbatches", "warning", None, {
         "schedule": schedule, "pp": pp, "microbatches": microbatches, "virtual_stages": virtual_stages,
-        "needed": 4 * pp, "bubble": round(now, 4), "bubble_at_4p": round(then, 4)},
-        f"Use m >= 4p = {4 * pp} micro-batches (pp_microbatches=, with a per-rank batch that many micro-batches "
+        "needed": need, "bubble": round(now, 4), f"bubble_at_{MICROBATCHES_PER_STAGE}p": round(then, 4)},
+        f"Use m >= {MICROBATCHES_PER_STAGE}p = {need} micro-batches (pp_microbatches=, with a per-rank batch that many micro-batches "
         f"long): the ideal bubble falls from {100 * now:.1f} % to {100 * then:.1f} % of the step.")
 
 
-def _achieved_fraction() -> float:
-    """The planner's calibrated share of peak that large matmuls reach (``planner.costs.CALIBRATION``)."""
-    from meshkit.plugins.planner.costs import CALIBRATION
-
-    return CALIBRATION.achieved_fraction
-
-
 def dp_overlap(tokens_per_dp_rank: float, peak_flops: float, bandwidth_gbs: float, dp: int, link: str,
-               measured_peak: bool = False) -> Finding | None:
-    """T < F/W (:func:`meshkit.plugins.planner.dp_overlap_tokens`): the gradient sync cannot hide behind compute.
+               measured_peak: bool = False, gpu: str | None = None) -> Finding | None:
+    """T < F/W (:func:`meshkit.planner.dp_overlap_tokens`): the gradient sync cannot hide behind compute.
 
-    F = the planner's achieved share of ``peak_flops``; W = ``bandwidth_gbs`` of the dp group's ``link``.
+    F = ``peak_flops`` × the planner's fitted GEMM efficiency of ``gpu`` (a :mod:`meshkit.hardware` catalog key such
+    as ``"a100-80gb"``: :meth:`meshkit.planner.Calibration.gemm_fraction` of ``planner.costs.CALIBRATION``,
+    the share the planner itself uses; a GPU without a fitted figure, or None, takes its ``achieved_fraction``);
+    W = ``bandwidth_gbs`` of the dp group's ``link``.
     """
-    from meshkit.plugins.planner import dp_overlap_tokens
+    from meshkit.planner import dp_overlap_tokens
+    from meshkit.planner.costs import CALIBRATION
 
     if dp < 2:
         return None
-    achieved = _achieved_fraction() * peak_flops
+    achieved = CALIBRATION.gemm_fraction(gpu) * peak_flops
     needed = dp_overlap_tokens(achieved, bandwidth_gbs * 1e9)
     if tokens_per_dp_rank >= needed:
         return None
     return Finding("dp_overlap", "info" if measured_peak else "warning", None, {
         "tokens_per_dp_rank": int(tokens_per_dp_rank), "needed_tokens": round(needed), "dp": dp, "link": link,
-        "achieved_tflops": round(achieved / 1e12, 4), "bandwidth_gbs": bandwidth_gbs,
+        "achieved_tflops": round(achieved / 1e12, 4), "bandwidth_gbs": bandwidth_gbs, "gpu": gpu,
         **({"peak": "measured (CPU), link figures nominal"} if measured_peak else {})},
         f"Give each data-parallel rank at least F/W = {needed:.0f} tokens per step (a larger per-rank batch or "
         "longer sequences, or gradient accumulation), or fewer dp ranks on that link, so the gradient sync "
@@ -255,8 +310,27 @@ def straggler(waits_ms: Mapping[int, Sequence[float]], step_ms: float) -> Findin
         "late_ms": round(float(med[worst]), 3), "others_late_ms": round(statistics.median(others), 3),
         "noise_floor_ms": round(floor, 3), "step_ms": round(step_ms, 3), "steps": n,
         "slowdown_pct": round(100 * excess / max(step_ms - excess, 1e-9), 1)},
-        f"Rank {ranks[worst]} arrives {excess:.1f} ms late every step and every other rank waits for it: look at "
-        "that rank's host (data loading, CPU contention, thermal throttling, a slow link) or replace it.")
+        f"Rank {ranks[worst]} arrives {excess:.1f} ms late at the step-boundary probe and the other ranks wait for "
+        "it there. The probe cannot see inside a step: a rank that waited in a tp or pp collective for a slower "
+        "peer arrives with that peer, so this may be the victim. Profile a few steps (MFUMonitor's profiler "
+        "window): the doctor then names the rank `meshkit analyze` names, from who waited for whom.")
+
+
+def traced_straggler(analysis: Mapping[str, Any]) -> Finding | None:
+    """The straggler verdict of :func:`meshkit.profiling.overlap.analyze` (``meshkit analyze``) on the profiler
+    traces, as a finding: the same rank, by construction (one function for both)."""
+    verdict = analysis.get("straggler")
+    if not verdict:
+        return None
+    rank, caused = int(verdict["rank"]), float(verdict["caused_ms_per_step"])
+    steps = [v["wall_ms"] / v["steps"] for v in analysis.get("ranks", {}).values() if v.get("steps")]
+    step_ms = statistics.median(steps) if steps else 0.0
+    severity = "warning" if step_ms and caused > WARN_SHARE * step_ms else "info"
+    return Finding("straggler", severity, rank, {
+        "caused_ms_per_step": round(caused, 3), "step_ms": round(step_ms, 3), "source": "profiler traces"},
+        f"Rank {rank} makes the other ranks wait {caused:.1f} ms per profiled step (followed through the "
+        "collectives they waited in, as `meshkit analyze` does): look at that rank's host (data loading, CPU "
+        "contention, thermal throttling, a slow link) or replace it.")
 
 
 def pp_unbalanced(records: Sequence[TimelineRecord], skip_steps: int = 1) -> Finding | None:
@@ -324,7 +398,8 @@ def zero3_exposed_allgather(ranks: Mapping[int, Any], threshold: float = 0.10) -
 
 def low_occupancy(reports: Sequence[Any], threshold: float = 0.25) -> list[Finding]:
     """Kernels (:class:`~meshkit.profiling.occupancy.KernelReport`) below ``threshold`` occupancy from
-    register or shared-memory pressure, or spilling registers."""
+    register or shared-memory pressure, or spilling registers. The fix is the report's own ``hint`` (spills
+    first, then occupancy), the wording ``meshkit occupancy`` prints."""
     out = []
     for rep in reports:
         occ = rep.occupancy
@@ -334,5 +409,5 @@ def low_occupancy(reports: Sequence[Any], threshold: float = 0.25) -> list[Findi
         out.append(Finding("low_occupancy", "warning", None, {
             "kernel": rep.kernel, "arch": rep.arch, "occupancy": round(occ.occupancy, 4), "limiter": occ.limiter,
             "registers_per_thread": rep.registers_per_thread, "shared_bytes": rep.shared_bytes,
-            "spill_bytes": rep.spill_bytes, "num_warps": rep.num_warps}, occ.hint or "Lower the block size."))
+            "spill_bytes": rep.spill_bytes, "num_warps": rep.num_warps}, rep.hint))
     return out

@@ -59,9 +59,3 @@ def run_cli(args: argparse.Namespace) -> int:
         print(format_findings(findings))
         print(f"(from {source})")
     return 0
-
-
-if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
-    from meshkit.verbs import not_a_command
-
-    not_a_command("meshkit.doctor.cli")

@@ -54,11 +54,13 @@ RULES: dict[str, Rule] = {
                             _S0 + ": 'nothing errors; 76 ms per step becomes 687 ms'"),
     "preset_fallback": Rule("an axis the preset turns on (tp, cp, replicate) is > 1 after 'auto' resolution",
                             "issue 18: devices=3 with hsdp_tp silently ran tp=1"),
-    "one_fsdp_unit": Rule("no FSDP unit holds more than half the parameters (one unit per repeated block, then the roots)",
-                          "issue 18: a model without repeated blocks trained as one FSDP unit"),
-    "few_microbatches": Rule("micro-batches m >= 4p for p pipeline stages", _S2 + ": m ≥ 4p"),
+    "one_fsdp_unit": Rule("no FSDP unit holds more than half the parameters (one unit per repeated block, then the roots; "
+                          "a tied weight counted once); a vocabulary that outweighs wrapped blocks is 'info'",
+                          "issue 18: a model without repeated blocks trained as one FSDP unit; issue 26"),
+    "few_microbatches": Rule("micro-batches m >= 2p for p pipeline stages (schedules.MICROBATCHES_PER_STAGE)",
+                             "meshkit.schedules.MICROBATCHES_PER_STAGE (the pipeline's default; " + _S2 + " said 4p)"),
     "dp_overlap": Rule("tokens per data-parallel rank per step T >= F/W (F achieved FLOP/s, W the dp link's bytes/s)",
-                       _S2 + ": T ≥ F/W; meshkit.plugins.planner.dp_overlap_tokens"),
+                       _S2 + ": T ≥ F/W; meshkit.planner.dp_overlap_tokens"),
     "global_batch_changed": Rule("the global batch equals the previous run's in the same log directory, or the "
                                  "learning rate changed with it", _S2 + ": the learning rate nobody re-tuned"),
     "unused_parameters": Rule("every trainable parameter has a gradient after the first backward",
@@ -166,12 +168,33 @@ def format_findings(findings: Sequence[Finding]) -> str:
 
 
 def findings_markdown(findings: Sequence[Finding]) -> str:
-    """A markdown table for TensorBoard's text tab."""
+    """Markdown for TensorBoard's text tab: a short summary table (severity, finding, rank), then one section
+    per finding with its evidence as a list and its fix as a sentence. (A five-column table with the evidence
+    and the fix in cells was squeezed unreadable in the TEXT tab, issue 26.)
+
+    >>> print(findings_markdown([Finding("straggler", "warning", 3, {"late_ms": 50.0}, "Look at rank 3.")]))
+    **meshkit doctor**: 1 finding(s), worst: warning
+    <BLANKLINE>
+    | severity | finding | rank |
+    |---|---|---|
+    | warning | `straggler` | 3 |
+    <BLANKLINE>
+    #### warning: `straggler` (rank 3)
+    <BLANKLINE>
+    - late_ms: 50.0
+    <BLANKLINE>
+    **Fix**: Look at rank 3.
+    """
     if not findings:
         return "**meshkit doctor**: no findings."
-    rows = ["| severity | finding | rank | evidence | fix |", "|---|---|---|---|---|"]
-    for f in _order(findings):
-        rank = "all" if f.rank is None else str(f.rank)
-        cells = [f.severity, f"`{f.id}`", rank, _evidence_text(f.evidence), f.fix]
-        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(rows)
+    ordered = _order(findings)
+    worst = max(SEVERITIES.index(f.severity) for f in findings)
+    out = [f"**meshkit doctor**: {len(findings)} finding(s), worst: {SEVERITIES[worst]}", "",
+           "| severity | finding | rank |", "|---|---|---|"]
+    out += [f"| {f.severity} | `{f.id}` | {'all' if f.rank is None else f.rank} |" for f in ordered]
+    for f in ordered:
+        where = "all ranks" if f.rank is None else f"rank {f.rank}"
+        out += ["", f"#### {f.severity}: `{f.id}` ({where})", ""]
+        out += [f"- {k}: {v}" for k, v in f.evidence.items()]
+        out += ["", f"**Fix**: {f.fix}"]
+    return "\n".join(out)

@@ -59,14 +59,19 @@ if HAS_TRITON:
             tl.store(Z + row * stride_z + cols, tl.cast(g, Z.dtype.element_ty), mask=mask)
 
 
+def _launch(v: int) -> dict[str, int]:
+    """Block and warps of both row kernels over ``v`` vocab columns (also what the occupancy report measures)."""
+    block = block_size(v, _BLOCK_V)
+    return {"BLOCK_V": block, "num_warps": warps(block)}
+
+
 def _stats(z, target, vocab_start):
     """Row max, sum-exp relative to it, and the local target logit (0 where the target is elsewhere)."""
     rows, v = z.shape
     if use_triton(z):
         m, s, zt = (torch.empty(rows, dtype=torch.float32, device=z.device) for _ in range(3))
         if rows:
-            _ce_stats_kernel[(rows,)](z, target, m, s, zt, z.stride(0), v, vocab_start,
-                                       BLOCK_V=block_size(v, _BLOCK_V), num_warps=warps(block_size(v, _BLOCK_V)))
+            _ce_stats_kernel[(rows,)](z, target, m, s, zt, z.stride(0), v, vocab_start, **_launch(v))
         return m, s, zt
     zf = z.float()
     m = zf.max(-1).values
@@ -81,8 +86,7 @@ def _grad_inplace(z, target, lse, scale, vocab_start) -> None:
     rows, v = z.shape
     if use_triton(z):
         if rows:
-            _ce_grad_kernel[(rows,)](z, target, lse, scale, z.stride(0), v, vocab_start,
-                                       BLOCK_V=block_size(v, _BLOCK_V), num_warps=warps(block_size(v, _BLOCK_V)))
+            _ce_grad_kernel[(rows,)](z, target, lse, scale, z.stride(0), v, vocab_start, **_launch(v))
         return
     g = z if z.dtype == torch.float32 else z.float()  # in place for fp32: no chunk-sized temporaries
     g.sub_(lse[:, None]).exp_()

@@ -58,6 +58,11 @@ def _rotate_reference(x, cos, sin, interleaved, sign):
     return y.to(x.dtype).contiguous()
 
 
+def _launch(heads: int, head_dim: int) -> dict[str, int]:
+    """Blocks and warps of the rotation kernel for ``heads`` of ``head_dim`` (also what the occupancy report measures)."""
+    return {"BLOCK_H": block_size(heads), "BLOCK_D": block_size(head_dim // 2), "num_warps": 4}
+
+
 @torch.library.custom_op("meshkit::rope_rotate", mutates_args=())
 def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, inverse: bool) -> torch.Tensor:
     """Rotate x (B, T, H, D) by angles with cos/sin (1 or B, T, D/2) fp32; ``inverse`` rotates by -angle."""
@@ -73,7 +78,7 @@ def _rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
         stride_cb = cos.stride(0) if cos.shape[0] > 1 else 0
         _rope_kernel[(B * T,)](
             x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), stride_cb, cos.stride(1),
-            T, H, D // 2, sign, INTERLEAVED=interleaved, BLOCK_H=block_size(H), BLOCK_D=block_size(D // 2),
+            T, H, D // 2, sign, INTERLEAVED=interleaved, **_launch(H, D),
         )  # fmt: skip
     return y
 

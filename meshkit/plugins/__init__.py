@@ -1,20 +1,21 @@
 """meshkit.plugins: everything that changes how a model is trained.
 
-Its public names load their modules on first use (PEP 562, as ``meshkit``'s own): ``meshkit plan``
-(``meshkit.plugins.planner``: numpy only) does not pay seconds for torch and Lightning, which
-``meshkit.plugins.strategy`` imports.
+Its public names load their modules on first use (:mod:`meshkit.lazy`, as ``meshkit``'s own), so importing one
+does not pay seconds for torch and Lightning, which ``meshkit.plugins.strategy`` imports. The planner
+(``meshkit.planner``, pure Python) changes no training and sits below this package.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from meshkit.lazy import lazy_names as _lazy_names
 
 # public name -> the module that owns it. ``parallelize`` (the function) is not re-exported here:
 # ``meshkit.plugins.parallelize`` stays the module.
 _WHERE: dict[str, str] = {
     "NDParallelStrategy": "meshkit.plugins.strategy",
     "register_presets": "meshkit.plugins.strategy",
+    "NDParallelFabricStrategy": "meshkit.plugins.fabric",
+    "NDParallelOptions": "meshkit.plugins.options",
     "ParallelDims": "meshkit.plugins.dims",
     "ParallelConfig": "meshkit.plugins.parallelize",
     "PRESETS": "meshkit.plugins.presets",
@@ -26,6 +27,8 @@ _WHERE: dict[str, str] = {
 
 __all__ = [
     "NDParallelStrategy",
+    "NDParallelFabricStrategy",
+    "NDParallelOptions",
     "ParallelDims",
     "ParallelConfig",
     "PRESETS",
@@ -37,14 +40,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """PEP 562: load a public name's module on first use."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'meshkit.plugins' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_names(__name__, _WHERE)

@@ -63,8 +63,22 @@ def _selective_policy() -> Any:
     return policy
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""The key/value-cache arguments transformers' layers take; a checkpointed block runs without them."""
+
+
 def _checkpointed_forward(original: Any, mode: str, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    # A transformers model builds a key/value cache when `use_cache` is on (its config's default, training
+    # included): the recomputation would append the block's keys again (twice the sequence: a selective
+    # recompute fails on it, a full one attends over the copy). transformers' own gradient checkpointing drops
+    # the cache the same way; a training step never reads it.
+    for key in CACHE_KWARGS:
+        if kwargs.get(key) is not None:
+            kwargs[key] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
 
     extra: dict[str, Any] = {}
     if mode == "selective":

@@ -14,14 +14,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["find_blocks", "apply_fsdp", "apply_fsdp_stages", "mixed_precision_policy", "clip_grad_norm_"]
+__all__ = [
+    "find_blocks", "apply_fsdp", "apply_fsdp_stages", "mixed_precision_policy", "clip_grad_norm_", "reshard",
+    "unsynced_parameters", "stale_optimizer_parameters",
+]
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
 
@@ -73,13 +76,21 @@ def apply_fsdp(
         fully_shard(unit if len(unit) > 1 else unit[0], **{**kwargs, "reshard_after_forward": False})
 
 
+def _holds_unsharded(module: nn.Module) -> bool:
+    """Whether ``module`` holds a trainable parameter outside the FSDP units inside it."""
+    if isinstance(module, FSDPModule):
+        return False
+    return any(p.requires_grad for p in module.parameters(recurse=False)) or any(
+        _holds_unsharded(c) for c in module.children())
+
+
 def _root_units(model: nn.Module) -> list[list[nn.Module]]:
     """The root's unsharded children holding trainable parameters; children sharing a parameter (a tied
     embedding and LM head side by side) form one unit, so the tied parameter is sharded once."""
     units: list[list[nn.Module]] = []
     owner: dict[int, list[nn.Module]] = {}
     for _, child in model.named_children():
-        if isinstance(child, FSDPModule) or not any(p.requires_grad for p in child.parameters()):
+        if not _holds_unsharded(child):  # e.g. the ModuleDict of already sharded blocks (no forward of its own)
             continue
         joined = [owner[id(p)] for _, p in child.named_parameters(remove_duplicate=False) if id(p) in owner]
         unit = joined[0] if joined else []
@@ -138,3 +149,70 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: 
     for g in grads:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
     return total
+
+
+def reshard(module: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters in ``module`` (no collective), keeping the dp-sharded ones.
+
+    After an eval forward the root unit (``reshard_after_forward=False``) still holds its unsharded parameters;
+    :func:`unsynced_parameters` reads the sharded ones.
+    """
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def unsynced_parameters(module: nn.Module, dp_ranks: set[int], stages: Sequence[nn.Module] = ()) -> list[str]:
+    """The trainable parameters of ``module`` whose gradients nothing reduces over the data-parallel ranks ``dp_ranks``.
+
+    A parameter is synchronized when a ``fully_shard`` unit (an ``FSDPModule`` at or above one of its owners)
+    manages it over a mesh spanning every rank of ``dp_ranks``, or a ``DistributedDataParallel`` wraps it. Any
+    other trainable parameter (a ``configure_model`` that sharded nothing, or sharded over ``tp`` only) gets
+    each dp rank's own gradient: the ranks' copies drift apart without an error.
+
+    A pure query: it reads the parameters registered now, so call it on resharded units (:func:`reshard`), the
+    state FSDP keeps between steps; an unsharded unit registers its gathered, tp-only parameters instead.
+
+    ``stages``: under pp the pipeline's stage views, sharded outside ``module``'s tree (each view shares this
+    rank's blocks, embedding and head with ``module`` and is the FSDP root of its stage): a parameter a view's
+    unit manages is synchronized too; one no view holds (a LightningModule's own parameter beside the split
+    model) is not.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    synced: dict[int, bool] = {}
+    names: dict[int, str] = {}
+
+    def walk(m: nn.Module, prefix: str, wrapped: bool) -> None:
+        wrapped = wrapped or isinstance(m, (FSDPModule, DistributedDataParallel))
+        for name, p in m.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            names.setdefault(id(p), f"{prefix}{name}")
+            spans = not isinstance(p, DTensor) or dp_ranks <= set(p.device_mesh.mesh.flatten().tolist())
+            synced[id(p)] = synced.get(id(p), False) or (wrapped and spans)
+        for child_name, child in m.named_children():
+            walk(child, f"{prefix}{child_name}.", wrapped)
+
+    walk(module, "", False)  # first: the names are the module's own (the views' paths are the same or shorter)
+    for view in stages:
+        walk(view, "", False)
+    return [names[i] for i, ok in synced.items() if not ok]
+
+
+def stale_optimizer_parameters(module: nn.Module, optimizers: list[Any]) -> list[tuple[int, str, int, int]]:
+    """``(index, class, stale, total)`` for each optimizer holding parameters that are not ``module``'s any more.
+
+    Sharding replaces every parameter (``fully_shard`` and ``parallelize_module`` make DTensor parameters), so an
+    optimizer built before it (in ``__init__``) steps tensors the model no longer uses: it trains nothing.
+    """
+    current = {id(p) for p in module.parameters()}
+    out = []
+    for i, optimizer in enumerate(optimizers):
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = sum(id(p) not in current for p in held)
+        if stale:
+            out.append((i, type(optimizer).__name__, stale, len(held)))
+    return out

@@ -16,6 +16,7 @@ Example (after ``torch.distributed`` is initialised on 4 gloo ranks)::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -26,9 +27,15 @@ from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins.activation_checkpoint import ACMode, apply_ac, check_ac_mode
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import apply_fsdp, apply_fsdp_stages, find_blocks, mixed_precision_policy
-from meshkit.plugins.tensor_parallel import PlanEntry, apply_tp, infer_tp_plan, quiet_local_logits_warning
+from meshkit.plugins.tensor_parallel import (
+    PlanEntry,
+    apply_tp,
+    check_tp_forward,
+    infer_tp_plan,
+    quiet_local_logits_warning,
+)
 
-__all__ = ["ParallelConfig", "parallelize", "apply_compile", "Split"]
+__all__ = ["ParallelConfig", "parallelize", "apply_compile", "loss_context", "Split"]
 
 Split = Callable[[nn.Module], tuple[nn.Module, Callable[[], list[nn.Module]]]]
 """Pipeline hook: ``split(module) -> (rank_module, views)``. ``rank_module`` (this rank's blocks) is what
@@ -43,9 +50,11 @@ class ParallelConfig:
     """Extra or overriding TP rules, ``{fnmatch pattern: "colwise" | "rowwise" | "replicate" | style}``.
     None: the automatic plan only."""
     sequence_parallel: bool = False
-    """Shard norms and the residual stream on the sequence dim (torchtitan-style models; tp > 1)."""
+    """Shard norms and the residual stream on the sequence dim between the TP blocks (tp > 1): meshkit's,
+    torchtitan-style and transformers causal LMs (the sequence length must divide by tp)."""
     loss_parallel: bool = False
-    """Keep logits vocab-sharded; the strategy runs ``training_step``/``backward`` under ``loss_parallel()``."""
+    """Keep logits vocab-sharded; the loss and its backward run under :func:`loss_context` (the Trainer's strategy
+    enters it around ``training_step`` and ``backward``; a Fabric loop around its loss and ``fabric.backward``)."""
     activation_checkpointing: ACMode = "none"
     """``"none"``, ``"full"`` (recompute each block) or ``"selective"`` (keep matmul / attention outputs)."""
     compile: bool = False
@@ -79,6 +88,16 @@ class ParallelConfig:
         return mixed_precision_policy(self.precision)
 
 
+def loss_context(dims: ParallelDims, config: ParallelConfig) -> contextlib.AbstractContextManager:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``config.loss_parallel`` and tp > 1 (the logits
+    are then vocab-sharded DTensors, and cross-entropy must run under it), else a context that does nothing."""
+    if config.loss_parallel and dims.tp_enabled:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def parallelize(
     module: nn.Module, dims: ParallelDims, config: ParallelConfig | None = None, *, split: Split | None = None
 ) -> nn.Module:
@@ -92,6 +111,13 @@ def parallelize(
         >>> parallelize(model, dims, ParallelConfig(compile=True))  # doctest: +SKIP
     """
     config = config if config is not None else ParallelConfig()
+    # 0. The TP plan's blocks, run in this process on each rank's share: refused here, before any collective,
+    #    if one does not compute what the whole model does (on the unsplit, unpatched model: one forward).
+    if dims.tp_enabled:
+        check_tp_forward(
+            module, dims.tp, user_plan=config.tp_plan, sequence_parallel=config.sequence_parallel,
+            loss_parallel=config.loss_parallel,
+        )
     # 1. Fused kernels, on the plain model: the patched forwards then work on DTensor weights.
     if config.fused_kernels:
         from meshkit.integrations import apply_fused_kernels

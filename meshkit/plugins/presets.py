@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Union
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -25,12 +25,15 @@ from torch import nn
 from meshkit.plugins.context_parallel import check_cp_heads
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import find_blocks, mixed_precision_policy
-from meshkit.plugins.tensor_parallel import _style, model_shape
+from meshkit.plugins.tensor_parallel import _is_hf, _style, tp_widths
 
 if TYPE_CHECKING:
     from meshkit.plugins.parallelize import ParallelConfig
 
-__all__ = ["Preset", "PRESETS", "Size", "resolve_dims", "resolve_layout", "auto_tp", "check_launch"]
+__all__ = [
+    "Preset", "PRESETS", "Size", "resolve_dims", "resolve_layout", "auto_tp", "check_launch", "check_front_door",
+    "register_names",
+]
 
 Size = Union[int, Literal["auto"]]
 
@@ -100,7 +103,7 @@ def resolve_dims(
             "every node must run the same number of processes."
         )
     per_node = world_size // num_nodes
-    heads, kv_heads, hidden = model_shape(model) if model is not None else (None, None, None)
+    heads, kv_heads, hidden = tp_widths(model) if model is not None else (None, None, None)
     out: dict[str, int] = {}
     out["pp"] = (2 if preset.pp else 1) if sizes["pp"] == "auto" else int(sizes["pp"])
     if sizes["cp"] == "auto":
@@ -171,8 +174,8 @@ def resolve_layout(
     """Every check that needs no collective, then the resolved :class:`ParallelDims`.
 
     Runs on every rank before the process group exists: precision, sizes (:func:`resolve_dims`, or
-    ``planner()`` for a planner preset with every size "auto"), global batch, the pp × cp refusal
-    and the Ulysses head count.
+    ``planner()`` for a planner preset with every size "auto"), global batch, the pp × cp and
+    pp × ``configure_model`` refusals and the Ulysses head count.
 
     Example::
 
@@ -191,13 +194,33 @@ def resolve_layout(
         dims = resolve_dims(preset, sizes, world_size=world_size, num_nodes=num_nodes, model=model)
     if config.global_batch_size is not None:
         dims.check_batch(config.global_batch_size)
+    if config.loss_parallel and not dims.tp_enabled:
+        raise ValueError(
+            f"NDParallelStrategy: `loss_parallel=True` needs tensor parallelism, but `tp={dims.tp}`: the logits are "
+            "sharded over tp, so with tp=1 there is nothing to parallelize and the option would be ignored. "
+            "Drop `loss_parallel=True`, or use tp > 1."
+        )
     if dims.pp_enabled and dims.cp_enabled:
         raise ValueError(
             f"NDParallelStrategy: `pp={dims.pp}` with `cp={dims.cp}` is not supported yet: the pipeline stages do not "
             "shard sequences. Use cp=1 with pp, or pp=1 with cp."
         )
+    if dims.pp_enabled and model is not None and _has_configure_model(model):
+        raise ValueError(
+            f"NDParallelStrategy: `pp={dims.pp}` with a `configure_model` in {type(model).__name__}: meshkit cuts "
+            "pipeline stages only when it parallelizes the model itself, and it does not split a model that "
+            "`configure_model` builds, so every rank of a pp group would train the whole model on the same batches "
+            "(nothing pipelined, and nothing checked between those ranks). Remove `configure_model` and let meshkit "
+            "split and shard the model (`tp_plan=` sets your own TP styles), or use `pp=1`."
+        )
+    if config.sequence_parallel and dims.pp_enabled and model is not None and _is_hf(model):
+        raise ValueError(
+            f"NDParallelStrategy: `sequence_parallel=True` with `pp={dims.pp}` is not supported for transformers "
+            "models: their sequence is cut at the first decoder layer of the model, and a later pipeline stage "
+            "receives it already cut. Use `sequence_parallel=False` with pp, or pp=1."
+        )
     if dims.cp_enabled and model is not None:  # Ulysses splits each TP rank's heads over cp
-        heads, kv_heads, _ = model_shape(model)
+        heads, kv_heads, _ = tp_widths(model)
         if heads is not None:
             check_cp_heads(heads, kv_heads, dims.tp, dims.cp, config.cp_attention, owner="NDParallelStrategy")
     if model is not None and not _has_configure_model(model):  # the automatic path will parallelize it
@@ -301,11 +324,19 @@ def check_launch(
     for key, value in ints.items():
         if not value.isdigit():
             raise ValueError(f"NDParallelStrategy: the launcher set `{key}={value!r}`, which is not a rank count.")
-    world = int(ints["WORLD_SIZE"]) if "WORLD_SIZE" in ints else initialized_world
-    if world is not None and world != want:
+    if "WORLD_SIZE" in ints and int(ints["WORLD_SIZE"]) != want:
         raise ValueError(
-            f"NDParallelStrategy: the launcher started `WORLD_SIZE={world}` processes but the Trainer has "
-            f"`devices={devices}` × `num_nodes={num_nodes}` = {want}. {fix}"
+            f"NDParallelStrategy: the launcher started `WORLD_SIZE={ints['WORLD_SIZE']}` processes but the Trainer "
+            f"has `devices={devices}` × `num_nodes={num_nodes}` = {want}. {fix}"
+        )
+    if initialized_world is not None and initialized_world != want:  # not the launcher's: a group from before
+        raise ValueError(
+            f"NDParallelStrategy: this process already holds a process group of {initialized_world} rank(s) (an "
+            f"earlier fit's, or an `init_process_group` of your own), but the Trainer has `devices={devices}` × "
+            f"`num_nodes={num_nodes}` = {want}"
+            + (f" and the launcher started `WORLD_SIZE={want}`" if "WORLD_SIZE" in ints else "")
+            + ": that group is stale. Call `torch.distributed.destroy_process_group()` on every rank before this "
+            f"fit (meshkit then starts one of {want}), or give the Trainer the group's size."
         )
     if "LOCAL_RANK" in ints and int(ints["LOCAL_RANK"]) >= devices:
         raise ValueError(
@@ -325,3 +356,44 @@ def check_launch(
                 f"`devices={devices}` + `LOCAL_RANK={ints['LOCAL_RANK']}` = {derived}: the nodes run different "
                 f"numbers of processes than `devices`. {fix}"
             )
+
+
+def check_front_door(owner: str, preset: Union[str, Preset], timeout: object) -> Preset:
+    """The preset named ``preset`` (or ``preset`` itself, a row), after checking it and ``timeout`` (a positive
+    ``timedelta`` or None): what :class:`~meshkit.plugins.options.NDParallelOptions` checks first for both front
+    doors, with the same messages. Raises ValueError naming the fix.
+
+    >>> from datetime import timedelta
+    >>> check_front_door("NDParallelStrategy", "hsdp_tp", timedelta(minutes=5)).name
+    'hsdp_tp'
+    """
+    from datetime import timedelta
+
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        seconds = timeout if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else None
+        example = f"timedelta(seconds={seconds})" if seconds and seconds > 0 else "timedelta(minutes=10)"
+        raise ValueError(
+            f"{owner}: `timeout={timeout!r}` must be a positive `datetime.timedelta` (how long a collective waits "
+            f"for a missing rank), e.g. `timeout={example}`"
+            + ("; 0 would fail every collective at once, blaming ranks that are there." if seconds == 0
+               or timeout == timedelta(0) else ".")
+        )
+    if isinstance(preset, Preset):
+        return preset
+    if preset not in PRESETS:
+        raise ValueError(
+            f"{owner}: unknown `preset={preset!r}`; choose one of {sorted(PRESETS)} "
+            "or pass explicit sizes (dp_replicate=, dp_shard=, tp=, ...)."
+        )
+    return PRESETS[preset]
+
+
+def register_names(registry: Any, strategy: type, what: str) -> None:
+    """Register every preset name in ``registry`` (Lightning's or Fabric's) as ``strategy(preset=name)``.
+
+    ``what`` names the registry in the error when another package holds a name already.
+    """
+    for name, preset in PRESETS.items():
+        if name in registry and registry[name]["strategy"] is not strategy:
+            raise RuntimeError(f"meshkit: {what} name {name!r} is already registered by another package.")
+        registry.register(name, strategy, description=preset.description, override=True, preset=name)

@@ -16,26 +16,21 @@ instead; the module sees ``self.device_mesh`` (axes ``dp_replicate dp_shard pp c
 
 The strategy is Lightning glue: presets and every pre-process-group check live in
 :mod:`meshkit.plugins.presets`, the settings in :class:`~meshkit.plugins.parallelize.ParallelConfig`,
-checkpoint code in :mod:`meshkit.plugins.checkpointing`, the pipeline side in ``PipelineHooks``.
+the process-group start, roll call and fault notes in :mod:`meshkit.plugins.rendezvous`, checkpoint files in
+:mod:`meshkit.plugins.checkpoint` (plain functions the strategy hands its states to), the pipeline side in
+``PipelineHooks``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
-import sys
-import threading
-import time
-from datetime import timedelta
 from typing import Any, Generator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -44,17 +39,24 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from meshkit.plugins import checkpointing as _ckpt
+from meshkit.plugins import checkpoint as _ckpt
 from meshkit.plugins import context_parallel as _cp
 from meshkit.plugins import fsdp as _fsdp
-from meshkit.plugins.activation_checkpoint import ACMode
+from meshkit.plugins.console import report_once
+from meshkit.plugins.checkpoint.state import MODEL, OPTIMIZERS
 from meshkit.plugins.dims import ParallelDims
-from meshkit.plugins.parallelize import ParallelConfig, parallelize
+from meshkit.plugins.materialize import materialize
+from meshkit.plugins.parallelize import ParallelConfig, loss_context, parallelize
 from meshkit.plugins.pipeline.lightning import PipelineHooks
-from meshkit.plugins.presets import PRESETS, Size, check_launch, resolve_layout
-from meshkit.plugins.tensor_parallel import PlanEntry
+from meshkit.plugins.options import NDParallelOptions, build_options, front_door_signature
+from meshkit.plugins.presets import check_launch, register_names, resolve_layout
+from meshkit.plugins.rendezvous import (
+    end_stopped_children, exit_with_parent, heartbeat, is_timeout, rendezvous, stopped_ranks, timeout_note,
+)
+from meshkit.quiet import quiet_lightning_pytree
 
 __all__ = ["NDParallelStrategy", "register_presets"]
+
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +65,17 @@ class NDParallelStrategy(ModelParallelStrategy):
     """HSDP (FSDP2 over a replicate × shard mesh) × tensor parallel × (pipeline, context) for Lightning.
 
     Args:
-        preset: a name from :data:`PRESETS` (``"fsdp2" "hsdp" "tp" "hsdp_tp" "cp" "hsdp_cp" "hsdp_tp_cp"``):
-            which axes ``"auto"`` turns on.
-        dp_replicate, dp_shard, pp, cp, tp: sizes of each mesh axis, or ``"auto"`` (resolved from devices,
-            num_nodes and the model in ``setup_environment``). Their product must be the world size.
-        tp_plan: extra or overriding TP rules, ``{fnmatch pattern: "colwise" | "rowwise" | "replicate" | style}``.
-        sequence_parallel: shard norms and the residual stream on the sequence dim (torchtitan-style models).
-        loss_parallel: keep logits vocab-sharded; ``training_step``/``backward`` run under ``loss_parallel()``.
-        activation_checkpointing: ``"none" | "full" | "selective"``.
-        compile: ``torch.compile`` each block.
-        reshard_after_forward: FSDP2 frees gathered block parameters after forward (ZeRO-3); False = ZeRO-2.
-        global_batch_size: if given, checked to be divisible by the data-parallel size.
-        save_distributed_checkpoint: DCP-sharded checkpoints (default) or one consolidated file.
-        cp_attention: context-parallel attention when cp > 1: ``"ring" | "allgather" | "ulysses"``.
-        cp_layout: how sequences are cut over cp: ``"load_balanced"`` (chunks r and 2cp-1-r) or ``"contiguous"``.
-        fused_kernels: swap in meshkit's Triton RMSNorm, SwiGLU, RoPE and fused linear cross-entropy
-            (:func:`meshkit.integrations.apply_fused_kernels`) before parallelizing.
-        pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir: pipeline options
-            (pp > 1), see :mod:`meshkit.plugins.pipeline` and :mod:`meshkit.plugins.pipeline.lightning`.
+        preset: a name from :data:`~meshkit.plugins.presets.PRESETS` (``"fsdp2" "hsdp" "tp" "hsdp_tp" "cp" "hsdp_cp" "hsdp_tp_cp"``):
+            which axes ``"auto"`` turns on (default ``"hsdp_tp"``, or ``options.preset``).
+        options: an :class:`~meshkit.plugins.options.NDParallelOptions`; the keyword arguments override it.
+        **settings: any field of :class:`~meshkit.plugins.options.NDParallelOptions` by keyword, each
+            documented there: the sizes ``dp_replicate dp_shard pp cp tp`` (or ``"auto"``), ``tp_plan``,
+            ``sequence_parallel``, ``loss_parallel``, ``activation_checkpointing``, ``compile``,
+            ``reshard_after_forward``, ``global_batch_size``, ``save_distributed_checkpoint``, ``allow_unverified``,
+            ``cp_attention``, ``cp_layout``, ``fused_kernels``, ``process_group_backend``, ``timeout`` and the
+            pipeline's ``pp_schedule pp_microbatches pp_virtual_stages pp_split_points pp_timeline_dir``
+            (see :mod:`meshkit.plugins.pipeline.lightning`). Validated once, before any process group;
+            the result is :attr:`options`.
 
     Example::
 
@@ -92,59 +87,24 @@ class NDParallelStrategy(ModelParallelStrategy):
     strategy_name = "nd_parallel"
 
     def __init__(
-        self,
-        preset: str = "hsdp_tp",
-        *,
-        dp_replicate: Size = "auto",
-        dp_shard: Size = "auto",
-        pp: Size = "auto",
-        cp: Size = "auto",
-        tp: Size = "auto",
-        tp_plan: Optional[dict[str, PlanEntry]] = None,
-        sequence_parallel: bool = False,
-        loss_parallel: bool = False,
-        activation_checkpointing: ACMode = "none",
-        compile: bool = False,
-        reshard_after_forward: bool = True,
-        global_batch_size: Optional[int] = None,
-        save_distributed_checkpoint: bool = True,
-        cp_attention: str = "ring",
-        cp_layout: str = "load_balanced",
-        fused_kernels: bool = False,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        pp_schedule: str = "1f1b",
-        pp_microbatches: Optional[int] = None,
-        pp_virtual_stages: Optional[int] = None,
-        pp_split_points: Optional[list[int]] = None,
-        pp_timeline_dir: Optional[str] = None,
+        self, preset: Optional[str] = None, *, options: Optional[NDParallelOptions] = None, **settings: Any
     ) -> None:
-        if preset not in PRESETS:
-            raise ValueError(
-                f"NDParallelStrategy: unknown `preset={preset!r}`; choose one of {sorted(PRESETS)} "
-                "or pass explicit sizes (dp_replicate=, dp_shard=, tp=, ...)."
-            )
-        # Validates activation_checkpointing, cp_attention and cp_layout (before Lightning's own setup).
-        config = ParallelConfig(
-            tp_plan=tp_plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
-            activation_checkpointing=activation_checkpointing, compile=compile,
-            reshard_after_forward=reshard_after_forward, fused_kernels=fused_kernels, cp_attention=cp_attention,
-            cp_layout=cp_layout, global_batch_size=global_batch_size,
-        )
+        opts = build_options(type(self).__name__, preset, options, settings)
         super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=opts.save_distributed_checkpoint,
+            process_group_backend=opts.process_group_backend,
+            timeout=opts.timeout,
         )
-        self.preset = PRESETS[preset]
-        self._sizes: dict[str, Size] = {
-            "dp_replicate": dp_replicate, "dp_shard": dp_shard, "pp": pp, "cp": cp, "tp": tp,
-        }
-        self.parallel_config = config
+        quiet_lightning_pytree()
+        self.options = opts
+        """The settings this strategy was built with (frozen, validated)."""
+        self.preset = opts.preset
+        self.parallel_config = opts.parallel_config()
         """Every setting of the automatic path; ``precision`` is filled in ``setup_environment``."""
         self._parallel_dims: Optional[ParallelDims] = None
         # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins.pipeline.lightning).
-        self._pipeline = PipelineHooks(pp_schedule, pp_microbatches, pp_virtual_stages, pp_split_points, pp_timeline_dir)
+        self._pipeline = PipelineHooks(opts.pp_schedule, opts.pp_microbatches, opts.pp_virtual_stages,
+                                       opts.pp_split_points, opts.pp_timeline_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
     @property
@@ -157,16 +117,16 @@ class NDParallelStrategy(ModelParallelStrategy):
     def _resolve(self) -> ParallelDims:
         """Every check that needs no collective (:func:`~meshkit.plugins.presets.resolve_layout`), on every rank."""
         precision = getattr(self.precision_plugin, "precision", "32-true")
-        self.parallel_config = dataclasses.replace(self.parallel_config, precision=precision)
+        self.parallel_config = self.options.parallel_config(precision)
         world = self.num_nodes * self.num_processes
         return resolve_layout(
-            self.preset, self._sizes, self.parallel_config, world_size=world, num_nodes=self.num_nodes,
+            self.preset, self.options.sizes, self.parallel_config, world_size=world, num_nodes=self.num_nodes,
             model=self.lightning_module, planner=lambda: self._planned_dims(world),
         )
 
     def _planned_dims(self, world: int) -> ParallelDims:
         """``auto_nd``: ask the planner for this world, device and model; it logs its table and choice."""
-        from meshkit.plugins.planner import auto_nd_dims
+        from meshkit.plugins.dims import auto_nd_dims
 
         dev, c = self.root_device, self.parallel_config
         return auto_nd_dims(
@@ -183,48 +143,26 @@ class NDParallelStrategy(ModelParallelStrategy):
         # Launcher vs Trainer, then the layout: every check before the first collective, on every rank.
         external = self.cluster_environment.creates_processes_externally
         initialized = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
-        check_launch(self.num_processes, self.num_nodes, os.environ if external else {}, initialized)
-        dims = self._resolve()
-        _exit_with_launcher(self.cluster_environment)
-        world = self.num_nodes * self.num_processes
         env = self.cluster_environment
-        where = f"{env.main_address}:{env.main_port}"
-        missing: list[int] = []
         try:
-            if initialized is None and world > 1:  # who is missing, named, before torch's silent wait
-                rank = self.node_rank * self.num_processes + self.local_rank
-                missing, store = _roll_call(env.main_address, env.main_port, rank, world, self._timeout,
-                                            per_node=self.num_processes)
-            if not missing:
-                self._setup_distributed()  # on rank 0 torch's store shares the roll call's server
-        except RuntimeError as e:  # torch's DistStoreError / DistError are RuntimeErrors
-            # A timeout, or the store's host giving up first (the peers then see the connection close).
-            if not (_is_timeout(e) or isinstance(e, torch.distributed.DistNetworkError)):
-                raise
-            raise RuntimeError(self._rendezvous_failed(where, None, e)) from e
-        if missing:
-            raise RuntimeError(self._rendezvous_failed(where, missing))
+            check_launch(self.num_processes, self.num_nodes, os.environ if external else {}, initialized)
+            dims = self._resolve()
+        except ValueError as exc:  # every rank raises it alike: one traceback per machine, one line from the others
+            report_once(exc, job=f"{env.main_address}:{env.main_port}")
+            raise
+        if type(env) is LightningEnvironment and env.local_rank() > 0:  # started by Lightning's launcher (rank 0)
+            exit_with_parent(env.global_rank())
+        rendezvous(self._setup_distributed, address=env.main_address, port=env.main_port,
+                   rank=self.node_rank * self.num_processes + self.local_rank, devices=self.num_processes,
+                   num_nodes=self.num_nodes, timeout=self._timeout, initialized=initialized is not None)
+        if self.world_size > 1:  # after a timeout: whose process stopped (timeout_note)
+            heartbeat(env.main_address, env.main_port, self.global_rank)
         dims.build_mesh(self.root_device.type, timeout=self._timeout)  # every sub-group gets `timeout=`
         self._parallel_dims = dims
         self._device_mesh = dims.mesh
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = dims.mesh
         rank_zero_info(f"meshkit: {self.preset.name} layout {dims} on {self.num_nodes} node(s)")
-
-    def _rendezvous_failed(self, where: str, missing: Optional[list[int]], cause: Any = None) -> str:
-        """The error every rank raises when the rendezvous does not complete: who is missing and the fix."""
-        world = self.num_nodes * self.num_processes
-        if missing:
-            arrived = sorted(set(range(world)) - set(missing))
-            who = f"{_ranges(missing)} of {world} did not join at {where} ({_ranges(arrived)} did)"
-        else:  # e.g. the store's host (rank 0) never came up: the others could not even ask
-            who = f"{world} processes were expected at {where}, and not all arrived ({cause})"
-        return (
-            f"NDParallelStrategy: the process-group rendezvous did not complete within `timeout={self._timeout}`: "
-            f"{who}. `devices={self.num_processes}` × `num_nodes={self.num_nodes}` need {world} processes: start "
-            f"`devices` processes on each of the `num_nodes` nodes (e.g. `torchrun --nnodes {self.num_nodes} "
-            f"--nproc-per-node {self.num_processes}`), with NODE_RANK set per node, or lower `num_nodes`."
-        )
 
     @property
     @override
@@ -242,16 +180,91 @@ class NDParallelStrategy(ModelParallelStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             self.parallelize(self.model)
             self.model._meshkit_parallelized = True  # type: ignore[assignment]
-        _materialize_distributed_module(self.model, self.root_device)
+        self._check_gradient_sync()
+        self._check_cp_applied()
+        materialize(self.model, self.root_device)  # empty_init: the model's own init, or a clear error
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._patch_gradient_clipping()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            self._check_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_gradient_sync(self) -> None:
+        """Every trainable parameter's gradient is reduced over the ranks that see different data (dp, and cp),
+        or a clear error on every rank."""
+        dims = self.parallel_dims
+        if dims.dp_size * dims.cp == 1:
+            return
+        # the ranks that see different data: dp, and with cp each rank's share of the sequence (batch_to_device)
+        sync = "dp_cp" if dims.cp_enabled else "dp"
+        dp_ranks = set(torch.distributed.get_process_group_ranks(dims.submesh(sync).get_group()))
+        stages = self._pipeline.views if self._pipeline.active else ()  # pp: sharded outside the module's tree
+        for root in (self.model, *stages):  # after validate's forward a root holds gathered tp-only parameters
+            _fsdp.reshard(root)
+        unsynced = _fsdp.unsynced_parameters(self.model, dp_ranks, stages)
+        if unsynced and self._pipeline.active:  # every rank of a stage holds the same modules: the same verdict
+            raise ValueError(
+                f"NDParallelStrategy: with `pp={dims.pp}` meshkit splits `{self._pipeline.model_attr}` into pipeline "
+                f"stages and shards each stage over the data-parallel ranks (`dp_replicate*dp_shard={dims.dp_size}`); "
+                f"{len(unsynced)} trainable parameter(s) lie outside it: {unsynced[:3]}. Nothing reduces their "
+                "gradients over the dp ranks, so each rank's copy would drift apart. Move them into "
+                f"`{self._pipeline.model_attr}` (a stage then holds them), or freeze them with `requires_grad_(False)`."
+            )
+        if unsynced:  # the same module on every rank: the same verdict, no collective needed
+            where = "`configure_model`" if is_overridden("configure_model", self.lightning_module) else "the model"
+            shard = "dp_shard_cp" if dims.cp_enabled else "dp_shard"
+            mesh = f'`self.device_mesh["{shard}"]`' if dims.dp_replicate == 1 else (
+                f'`self.device_mesh["dp_replicate", "{shard}"]`')
+            ranks = (f"data- and context-parallel ranks (`dp_replicate*dp_shard*cp={dims.dp_size * dims.cp}`: each cp "
+                     "rank trains on its own share of the sequence)") if dims.cp_enabled else (
+                f"data-parallel ranks (`dp_replicate*dp_shard={dims.dp_size}`)")
+            raise ValueError(
+                f"NDParallelStrategy: {where} left {len(unsynced)} trainable parameter(s) without gradient sync over "
+                f"the {ranks}: {unsynced[:3]}. Each of those ranks "
+                f"would train its own copy and the copies drift apart. In `configure_model`, `fully_shard` each "
+                f"block and then the root over {mesh}, or remove `configure_model` and let meshkit parallelize "
+                "the model."
+            )
+
+    def _check_cp_applied(self) -> None:
+        """With cp > 1 the strategy cuts every batch over the cp ranks: the model's attention must be meshkit's
+        context-parallel attention (with the same layout), or each rank would attend within its own share of every
+        sequence and train silently wrong. meshkit applies it when it parallelizes the model; a ``configure_model``
+        must. The same module on every rank: the same verdict, no collective."""
+        dims, layout = self.parallel_dims, self.parallel_config.cp_layout
+        if not dims.cp_enabled:
+            return
+        stages = self._pipeline.views if self._pipeline.active else ()
+        applied = next(filter(None, map(_cp.context_parallel_layout, (self.model, *stages))), None)
+        if applied == layout:
+            return
+        where = "`configure_model`" if is_overridden("configure_model", self.lightning_module) else "the model"
+        found = "applies no context-parallel attention" if applied is None else f"applies it with `layout={applied!r}`"
+        raise ValueError(
+            f"NDParallelStrategy: with `cp={dims.cp}` meshkit gives each rank `1/{dims.cp}` of every sequence "
+            f"(`cp_layout={layout!r}`), but {where} {found}: each rank's attention would see only its own tokens "
+            "and the model would train on something else than the one-process model, without an error. In "
+            "`configure_model`, call `meshkit.apply_context_parallel(self.model, self.device_mesh[\"cp\"], "
+            f"layout={layout!r})` before sharding, or remove `configure_model` and let meshkit parallelize the model."
+        )
+
+    def _check_optimizers(self) -> None:
+        """An optimizer built before sharding holds the replaced parameters: it would train nothing."""
+        stale = _fsdp.stale_optimizer_parameters(self.model, self.optimizers)
+        if stale:
+            i, kind, n, total = stale[0]
+            raise ValueError(
+                f"NDParallelStrategy: optimizer {i} ({kind}) holds {n} of its {total} parameter(s) that are not the "
+                "model's any more: meshkit sharded the model after the optimizer was created, replacing every "
+                "parameter, so it would step tensors the model no longer uses and train nothing. Create the "
+                "optimizer in `configure_optimizers` from `self.parameters()` (Lightning calls it after sharding), "
+                "not in `__init__`."
+            )
 
     def parallelize(self, module: nn.Module) -> nn.Module:
         """The automatic path on ``module`` (in place): :func:`~meshkit.plugins.parallelize.parallelize`."""
@@ -262,20 +275,28 @@ class NDParallelStrategy(ModelParallelStrategy):
 
     # ---- steps --------------------------------------------------------------------------------
     def _loss_context(self) -> contextlib.AbstractContextManager:
-        if self.parallel_config.loss_parallel and self.parallel_dims.tp_enabled:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(self.parallel_dims, self.parallel_config)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_step_batch(args[0] if args else None)
         if self._pipeline.active:  # the schedule runs forward and backward of every micro-batch
             return self._pipeline.training_step(self.lightning_module, args[0])
         with self._loss_context():
             output = super().training_step(*args, **kwargs)
-            _cp.per_rank_mean_warning(args[0] if args else None)  # cp: warns once if the loss was a per-rank mean
-            return self._cp_loss(output)
+            # cp: the dp × cp mean (and a warning, once, if the loss was a per-rank mean); else unchanged
+            return _cp.step_loss(output, args[0] if args else None, self._parallel_dims)
+
+    def _check_step_batch(self, batch: Any) -> None:
+        """The first training batch against a declared ``global_batch_size`` (each rank sees the same sizes)."""
+        declared = self.parallel_config.global_batch_size
+        if declared is None or getattr(self, "_batch_checked", False):
+            return
+        self._batch_checked = True
+        per_rank = _batch_size(batch)
+        if per_rank is not None:
+            accumulate = int(getattr(self.lightning_module.trainer, "accumulate_grad_batches", 1) or 1)
+            self.parallel_dims.check_step_batch(declared, per_rank, accumulate)
 
     @override
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -331,198 +352,71 @@ class NDParallelStrategy(ModelParallelStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``."""
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self._parallel_dims is not None and self._parallel_dims.cp_enabled:
-            batch = _cp.shard_batch(batch, self._parallel_dims.submesh("cp"), layout=self.parallel_config.cp_layout)
-        return batch
-
-    def _cp_loss(self, output: Any) -> Any:
-        """Report the loss averaged over dp × cp; its gradient stays the local one (FSDP averages those)."""
-        if self._parallel_dims is None or not self._parallel_dims.cp_enabled:
-            return output
-        loss = output["loss"] if isinstance(output, dict) else output
-        if not isinstance(loss, torch.Tensor):
-            return output
-        mean = loss.detach().clone()
-        group = self._parallel_dims.submesh("dp_cp").get_group()
-        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG, group=group)
-        loss = loss + (mean - loss.detach())
-        return {**output, "loss": loss} if isinstance(output, dict) else loss
+        return _cp.step_batch(batch, self._parallel_dims, self.parallel_config.cp_layout, self.lightning_module)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A collective that timed out gets a note naming the collective, the group and its ranks."""
         built = self._parallel_dims is not None and self._parallel_dims._mesh is not None  # else: the rendezvous
-        if built and _is_timeout(exception) and hasattr(exception, "add_note"):
-            exception.add_note(_timeout_note(exception, self._parallel_dims, self._timeout, self.global_rank))
+        if built and is_timeout(exception) and hasattr(exception, "add_note"):
+            env = self.cluster_environment
+            stopped = stopped_ranks(env.main_address, env.main_port, self.world_size)
+            children = getattr(self.launcher, "procs", None) or []  # Lightning's launcher: ranks it started here
+            ended = end_stopped_children(children, stopped, self.global_rank + 1) if children else []
+            exception.add_note(timeout_note(exception, self._parallel_dims, self._timeout, self.global_rank, stopped,
+                                            ended))
         super().on_exception(exception)
 
-    # ---- checkpoints --------------------------------------------------------------------------
+    # ---- checkpoints: the states gathered here, the files written by meshkit.plugins.checkpoint --------------
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
     ) -> None:
-        """Atomic and hashed: a crash mid-save leaves the previous one (see :mod:`meshkit.plugins.checkpointing`)."""
+        """Atomic and hashed: a crash mid-save leaves the previous one (see :mod:`meshkit.plugins.checkpoint`)."""
         if storage_options is not None:
             raise TypeError(
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: "
                 "meshkit writes checkpoints itself, not through a CheckpointIO plugin."
             )
-        _ckpt.save_checkpoint(self, checkpoint, filepath)
+        module = self.lightning_module
+        rest = {k: v for k, v in checkpoint.items() if k not in (MODEL, OPTIMIZERS)}
+        _ckpt.save_checkpoint(
+            self.broadcast(filepath), checkpoint[MODEL], checkpoint.get(OPTIMIZERS), rest,
+            tied=_ckpt.tied_aliases(module) if module is not None else None,
+            sharded=self._save_distributed_checkpoint, rank=self.global_rank, barrier=self.barrier,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        load_file = functools.partial(_ckpt.load_full_checkpoint, self)  # tied names filled in, as for folders
-        return _ckpt.load_checkpoint(self, checkpoint_path, weights_only, load_file)
+        dims = self._parallel_dims  # pipeline stages hold different keys: the pp group gathers them
+        pp_group = dims.submesh("pp").get_group() if dims is not None and dims.pp_enabled else None
+        return _ckpt.load_checkpoint(
+            self.broadcast(checkpoint_path), self.model, self.optimizers, weights_only=weights_only,
+            strict=self.lightning_module.strict_loading, rank=self.global_rank, world_size=self.world_size,
+            barrier=self.barrier, pp_group=pp_group, allow_unverified=self.options.allow_unverified,
+        )
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return _ckpt.optimizer_state(self, optimizer, super().optimizer_state)
+        if self._save_distributed_checkpoint:  # FQN-keyed: pipeline stages' states never collide
+            return _ckpt.flat_optimizer_state(self.model, optimizer)
+        return super().optimizer_state(optimizer)
 
 
-def _is_timeout(exception: BaseException) -> bool:
-    text = str(exception).lower()
-    return isinstance(exception, RuntimeError) and ("timed out" in text or "timeout" in text)
+NDParallelStrategy.__init__.__signature__ = front_door_signature(NDParallelStrategy)  # type: ignore[attr-defined]
 
 
-def _timeout_note(exception: BaseException, dims: Optional[ParallelDims], timeout: Any, rank: int) -> str:
-    """Which collective and group the timed-out call was in: read from torch.distributed's frames."""
-    from torch.distributed import ProcessGroup, get_process_group_ranks
-
-    names = {}
-    if dims is not None and dims._mesh is not None:
-        for axis in dims.order + tuple(dims._flat):
-            names[dims.submesh(axis).get_group().group_name] = axis
-    collective, group = "a collective", None
-    tb = exception.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_globals.get("__name__", "").startswith("torch.distributed"):
-            collective = f"`{frame.f_code.co_name}`"
-            found = [v for v in frame.f_locals.values() if isinstance(v, ProcessGroup)]
-            group = found[0] if found else group
-        tb = tb.tb_next
-    if group is not None:
-        axis = names.get(group.group_name, group.group_desc or group.group_name)
-        where = f" on group `{axis}` (ranks {get_process_group_ranks(group)})"
-    else:  # e.g. a functional collective's wait_tensor keeps no group: list this rank's groups
-        axes = {a: dims.submesh(a) for a in dims.order} if dims is not None and dims._mesh is not None else {}
-        where = " on one of this rank's groups " + ", ".join(
-            f"`{a}` {get_process_group_ranks(m.get_group())}" for a, m in axes.items() if m.size() > 1
-        )
-    return (
-        f"meshkit (rank {rank}): {collective}{where} timed out after `timeout={timeout}`: another rank in that group "
-        "stopped responding (crashed, frozen, out of memory, or it runs other collectives). Look for the rank that "
-        "stopped in its own log; raise `timeout=` only if a step legitimately takes longer."
-    )
-
-
-_roll_calls = 0  # per process: a second rendezvous on the same store (after destroy_process_group) asks anew
-
-
-_VERDICT_GRACE = timedelta(seconds=30)  # how much later than rank 0 the others may give up waiting for its verdict
-
-
-def _roll_call(
-    address: str, port: int, rank: int, world: int, timeout: Optional[timedelta], per_node: int = 1
-) -> tuple[list[int], Any]:
-    """Every rank signs in on the store torch's rendezvous is about to use: ``(ranks that never did, the store)``.
-
-    Rank 0 hosts the TCPStore as torch's ``env://`` rendezvous does (multi-tenant: torch's own store in
-    this process then shares its server, no second port), or, under torchrun's agent store, every
-    rank is a client of the agent's. Keys live under ``meshkit/roll_call/<restart>/<n>/``. Each rank
-    sets its key; rank 0 waits up to ``timeout`` for all ``world`` of them and publishes the missing
-    ranks (none: milliseconds); the others wait for that verdict and tell rank 0 they read it, so
-    every rank raises the same error before rank 0's exit closes the store. Rank 0 also waits (up to
-    ``_VERDICT_GRACE``) for its node's ``per_node`` ranks that came late (a slow start-up under
-    Lightning's launcher), so they too read the verdict. Keep the store until the process group
-    exists (rank 0's server lives in it).
-    """
-    global _roll_calls
-    from torch.distributed import TCPStore
-
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    wait = timeout if timeout is not None else default_pg_timeout
-    store = TCPStore(address, int(port), None, is_master=rank == 0 and not agent, timeout=wait,
-                     wait_for_workers=False, multi_tenant=True)
-    prefix = f"meshkit/roll_call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_roll_calls}/"
-    _roll_calls += 1
-    keys = [f"{prefix}{r}" for r in range(world)]
-    store.set(keys[rank], "1")
-
-    def absent() -> list[int]:
-        return [r for r, key in enumerate(keys) if not store.check([key])]
-
-    if rank == 0:
-        missing = [] if _waited(store, keys, wait) else absent()
-        store.set(f"{prefix}verdict", ",".join(map(str, missing)))
-        if missing:  # keep the store up until the others (and late node-mates) have read it, or a short while
-            readers = [r for r in range(1, world) if r not in missing or r < per_node]
-            _waited(store, [f"{prefix}read/{r}" for r in readers], _VERDICT_GRACE)
-        return missing, store
-    if not _waited(store, [f"{prefix}verdict"], wait + _VERDICT_GRACE):
-        return absent(), store  # rank 0 never gave one (it is missing itself, under an agent's store)
-    verdict = store.get(f"{prefix}verdict").decode()
-    store.set(f"{prefix}read/{rank}", "1")
-    return [int(r) for r in verdict.split(",") if r], store
-
-
-def _waited(store: Any, keys: list[str], timeout: timedelta) -> bool:
-    try:
-        store.wait(keys, timeout)
-    except RuntimeError as e:  # DistStoreError: "wait timeout after ...ms"
-        if not _is_timeout(e):
-            raise
-        return False
-    return True
-
-
-def _ranges(ranks: list[int]) -> str:
-    """``[2, 3]`` -> ``"ranks 2, 3"``, ``[0]`` -> ``"rank 0"``, long runs ``[0..7]`` -> ``"ranks 0-7"``."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        start = r if start is None else start
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(r) if r == start else f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
-            start = None
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
-
-
-def _exit_with_launcher(environment: Any) -> None:
-    """Ranks that Lightning's own launcher started exit when rank 0 (their parent) dies.
-
-    Without this they wait in their next collective until `timeout` (issue 14: orphans alive 100 s
-    later). Such a rank runs under the plain LightningEnvironment with LOCAL_RANK > 0 and its parent
-    is a Python process (torchrun and SLURM have their own environments and agents). One watcher per
-    process: a process that runs many fits started one per fit before.
-    """
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
-    global _launcher_watch
-    if type(environment) is not LightningEnvironment or environment.local_rank() == 0:
-        return
-    if _launcher_watch is not None and _launcher_watch.is_alive():
-        return
-    parent = os.getppid()
-    try:
-        if os.readlink(f"/proc/{parent}/exe") != os.readlink("/proc/self/exe"):
-            return
-    except OSError:  # not Linux, or the parent is gone already
-        return
-
-    rank = environment.global_rank()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        print(f"meshkit (rank {rank}): the launching process (rank 0, pid {parent}) died; "
-              "exiting.", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    _launcher_watch = threading.Thread(target=watch, name="meshkit-launcher-watch", daemon=True)
-    _launcher_watch.start()
-
-
-_launcher_watch: Optional[threading.Thread] = None
+def _batch_size(batch: Any) -> Optional[int]:
+    """The leading dim of a batch's first tensor (``input_ids`` first in a dict), or None."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else None
+    if isinstance(batch, dict):
+        values = [batch["input_ids"]] if "input_ids" in batch else list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        return None
+    return next((n for n in map(_batch_size, values) if n is not None), None)
 
 
 def _is_parallelized(module: nn.Module) -> bool:
@@ -533,9 +427,5 @@ def register_presets(registry: Any = None) -> None:
     """Register every preset name with Lightning's StrategyRegistry (done on ``import meshkit``)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    registry = registry if registry is not None else StrategyRegistry
-    for name, preset in PRESETS.items():
-        if name in registry and registry[name]["strategy"] is not NDParallelStrategy:
-            raise RuntimeError(f"meshkit: strategy name {name!r} is already registered by another package.")
-        registry.register(name, NDParallelStrategy, description=preset.description, override=True, preset=name)
+    register_names(registry if registry is not None else StrategyRegistry, NDParallelStrategy, "strategy")
 

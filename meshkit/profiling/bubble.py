@@ -13,7 +13,7 @@ here without importing it; ``read_timeline`` and ``TimelineRecord`` are re-expor
 
 Example::
 
-    >>> theoretical_bubble("1f1b", stages=4, microbatches=8)["bubble_fraction"]   # (p-1)/(m+p-1)
+    >>> theoretical_bubble("1f1b", 4, 8)   # meshkit.schedules' theory: (p-1)/(m+p-1)
     0.2727272727272727
     >>> round(simulate("1f1b", stages=4, microbatches=8).bubble_fraction, 6)
     0.272727
@@ -28,11 +28,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from meshkit.schedules import SCHEDULE_FACTS, SCHEDULE_NAMES, canonical_schedule, step_time
+from meshkit.schedules import SCHEDULE_FACTS, SCHEDULE_NAMES, canonical_schedule, step_time, theoretical_bubble
 from meshkit.timeline import TimelineRecord, find_timeline_dir, read_timeline
 
 __all__ = [
-    "SCHEDULES",
+    "SIMULATED_SCHEDULES",
     "theoretical_bubble",
     "Action",
     "schedule_orders",
@@ -53,9 +53,10 @@ __all__ = [
     "run_cli",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+SIMULATED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
 """Schedules :func:`schedule_orders` builds (interleaved_zero_bubble with one stage per rank: ZB-H1);
-:func:`theoretical_bubble` takes every name of :data:`meshkit.schedules.SCHEDULE_NAMES`."""
+the theory (:func:`meshkit.schedules.theoretical_bubble`, re-exported here) takes every name of
+:data:`meshkit.schedules.SCHEDULE_NAMES`."""
 
 
 def _schedule_name(schedule: str) -> str:
@@ -92,23 +93,17 @@ def _check_times(tf: float, tb: float, tw: float | None, schedule: str) -> None:
 # ---------------------------------------------------------------------------------- theory
 
 
-def theoretical_bubble(schedule: str, stages: int, microbatches: int, virtual: int = 1,
-                       tf: float = 1.0, tb: float = 2.0, tw: float | None = None) -> dict[str, float]:
-    """Closed-form step time and bubble for uniform stages: :func:`meshkit.schedules.step_time` (the
-    formulas and their sources), with times per microbatch per rank in this CLI's convention: ``tb``
-    is the full backward, or for the zero-bubble schedules the input-grad time beside ``tw``.
-    gpipe/1f1b (p − 1)/(m + p − 1); interleaved (p − 1)/(v·m + p − 1); ZB-H1 total
-    m(tf + tb + tw) + (p − 1)(tf + tb − tw), plus (p − m)·tw when m < p.
-
-    >>> theoretical_bubble("gpipe", stages=2, microbatches=2, tf=1, tb=1)
-    {'total_time': 6.0, 'ideal_time': 4.0, 'bubble_fraction': 0.3333333333333333}
-    """
+def _theory(schedule: str, stages: int, microbatches: int, virtual: int, tf: float, tb: float,
+            tw: float | None) -> tuple[float, float]:
+    """``meshkit bubble``'s theory row, ``(total_time, bubble_fraction)``: the one theory
+    (:func:`meshkit.schedules.step_time`, :func:`~meshkit.schedules.theoretical_bubble`) in its own
+    convention, where ``--tb`` is the full backward unless the schedule splits it (then ``--tw`` is W)."""
     s = _schedule_name(schedule)
     _check_sizes(stages, microbatches, virtual, s)
     _check_times(tf, tb, tw, s)
-    split = SCHEDULE_FACTS[s].split_backward
-    total, ideal = step_time(s, stages, microbatches, virtual, tf=tf, tb=tb, tw=tw if split else 0.0)
-    return {"total_time": total, "ideal_time": ideal, "bubble_fraction": (total - ideal) / total}
+    w = tw if SCHEDULE_FACTS[s].split_backward else 0.0
+    total, _ = step_time(s, stages, microbatches, virtual, tf=tf, tb=tb, tw=w)
+    return total, theoretical_bubble(s, stages, microbatches, virtual, tf=tf, tb=tb, tw=w)
 
 
 # ------------------------------------------------------------------------------- simulator
@@ -133,7 +128,7 @@ def _interleaved_index(k: int, p: int, v: int, forward: bool) -> tuple[int, int]
 
 
 def _has_order(schedule: str, virtual: int) -> bool:
-    return schedule in SCHEDULES and not (schedule == "interleaved_zero_bubble" and virtual != 1)
+    return schedule in SIMULATED_SCHEDULES and not (schedule == "interleaved_zero_bubble" and virtual != 1)
 
 
 def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -146,7 +141,7 @@ def schedule_orders(schedule: str, stages: int, microbatches: int, virtual: int 
     p, m, v = stages, microbatches, virtual
     _check_sizes(p, m, v, s)
     if not _has_order(s, v):
-        raise ValueError(f"bubble: no built-in order for `schedule={s!r}` with `virtual={v}` (built in: {SCHEDULES}, "
+        raise ValueError(f"bubble: no built-in order for `schedule={s!r}` with `virtual={v}` (built in: {SIMULATED_SCHEDULES}, "
                          "interleaved_zero_bubble as ZB-H1 with -v 1); pass explicit per-rank orders to simulate.")
     orders: list[list[Action]] = []
     for r in range(p):
@@ -571,7 +566,7 @@ def format_bubble(out: Mapping[str, Any], unit: str = "ms") -> str:
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """``meshkit bubble --schedule 1f1b -p 4 -m 8 [--tf 1 --tb 2 --tw ...] [--timeline DIR] [--json]``."""
     parser.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(SCHEDULE_NAMES)} or an alias (interleaved, zero-bubble); "
-                        f"simulated: {', '.join(SCHEDULES)} (default 1f1b)")
+                        f"simulated: {', '.join(SIMULATED_SCHEDULES)} (default 1f1b)")
     parser.add_argument("-p", "--stages", type=int, default=4, help="pipeline stages (ranks)")
     parser.add_argument("-m", "--microbatches", type=int, default=8, help="microbatches per step")
     parser.add_argument("-v", "--virtual", type=int, default=1, help="model chunks per rank (interleaved)")
@@ -612,15 +607,14 @@ def run_cli(args: argparse.Namespace) -> int:
         fig_src: Any = records
     else:
         name = _schedule_name(args.schedule)
-        theory = theoretical_bubble(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
+        total, fraction = _theory(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
         out = {"schedule": name, "stages": args.stages, "microbatches": args.microbatches,
                "virtual": args.virtual}
         fig_src = None
         if _has_order(name, args.virtual):
             fig_src = simulate(name, args.stages, args.microbatches, args.virtual, args.tf, args.tb, args.tw)
             out.update(fig_src.to_dict())
-        out.update({"theoretical_bubble_fraction": theory["bubble_fraction"],
-                    "theoretical_total_time": theory["total_time"]})
+        out.update({"theoretical_bubble_fraction": fraction, "theoretical_total_time": total})
         if args.gantt and fig_src is None:
             raise ValueError(f"--gantt needs a built-in order; `schedule={name!r}` has theory only.")
     if args.gantt:
@@ -631,9 +625,3 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(format_bubble(out, unit=out.get("time_unit", args.unit)))
     return 0
-
-
-if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
-    from meshkit.verbs import not_a_command
-
-    not_a_command("meshkit.profiling.bubble")

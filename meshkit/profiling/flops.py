@@ -40,7 +40,6 @@ from meshkit.hardware import CATALOG, Gpu, find_gpu, normalize_dtype, normalize_
 from meshkit.modelspec import TransformerShape, read_shape
 
 __all__ = [
-    "PeakRow",
     "PeakInfo",
     "PEAK_TABLE",
     "peak_flops",
@@ -52,15 +51,13 @@ __all__ = [
     "ModelShape",
     "model_shape",
     "model_flops_per_token",
+    "model_flops_split",
     "StepFlops",
     "measure_step_flops",
     "flop_counter",
 ]
 
 # --------------------------------------------------------------------------------------- peaks
-
-PeakRow = Gpu
-"""A row of :data:`PEAK_TABLE`: a :class:`meshkit.hardware.Gpu` (``name``, ``patterns``, ``peaks``, ``source``)."""
 
 PEAK_TABLE: tuple[Gpu, ...] = tuple(row for row in CATALOG if row.peaks)
 """The rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that have dense peaks, in match order."""
@@ -321,12 +318,25 @@ def model_flops_per_token(config: Any, seq_len: int | None = None, *, causal: bo
     >>> model_flops_per_token(ModelShape(n_params=1000, n_layers=2, n_heads=4, head_dim=8), seq_len=16)
     18288.0
     """
+    matmul, attention = model_flops_split(config, seq_len, causal=causal)
+    return matmul + attention
+
+
+def model_flops_split(config: Any, seq_len: int | None = None, *, causal: bool = False) -> tuple[float, float]:
+    """:func:`model_flops_per_token`'s two terms per token: ``(6·N, 12·L·H·Q·T)``, the weight matmuls and
+    attention's score and value matmuls (the waterfall's ``matmul_efficiency`` and ``attention_efficiency``
+    set each against the time its kernels took).
+
+    >>> from meshkit.profiling.flops import ModelShape
+    >>> model_flops_split(ModelShape(n_params=1000, n_layers=2, n_heads=4, head_dim=8), seq_len=16)
+    (6000.0, 12288.0)
+    """
     shape = model_shape(config)
     t = seq_len if seq_len is not None else shape.seq_len
     if not isinstance(t, int) or t < 1:
         raise ValueError(f"model_flops_per_token: `seq_len={t!r}` must be a positive int (the training length).")
-    attn = 12 * shape.n_layers * shape.n_heads * shape.head_dim * t
-    return float(6 * shape.n_params + (attn / 2 if causal else attn))
+    attn = 12 * shape.n_layers * shape.n_heads * shape.head_dim * t  # PaLM appendix B: 12·L·H·Q·T
+    return float(6 * shape.n_params), float(attn / 2 if causal else attn)
 
 
 # ------------------------------------------------------------------------ measured step FLOPs

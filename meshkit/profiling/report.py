@@ -29,12 +29,19 @@ Example::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 __all__ = [
     "BREAKDOWN_PARTS",
+    "WATERFALL_PARTS",
+    "HOST_OTHER_PARTS",
+    "STEP_PHASES",
+    "BETWEEN_STEPS_PARTS",
+    "WHAT_TO_DO",
+    "waterfall",
     "HEADLINE_GROUP",
     "BREAKDOWN_GROUP",
     "SCALAR_PREFIX",
@@ -44,9 +51,16 @@ __all__ = [
     "TABLE_TAG",
     "GANTT_TAG",
     "LAYOUT_TITLE",
+    "WATERFALL_POINTS_GROUP",
+    "EXPOSED_COMM_GROUP",
+    "waterfall_tag",
+    "exposed_comm_tag",
+    "largest_losses",
+    "console_block",
     "breakdown_tag",
     "points_lost_tag",
     "window_tag",
+    "fit_tag",
     "step_scalars",
     "where_to_look",
     "breakdown_layout",
@@ -67,12 +81,97 @@ BREAKDOWN_PARTS = ("compute", "recompute", "exposed_comm", "bubble", "data_wait"
 ``other`` is host time inside forward+backward between ops (and any timer gap); ``profiler_overhead``
 is MFUMonitor's own time (starting, stopping, exporting, analysing and writing its windows)."""
 
+WATERFALL_PARTS = ("exposed_comm", "bubble", "data_wait", "optimizer", "validation", "checkpoint",
+                   "profiler_overhead", "host_other", "recompute", "non_matmul", "attention_efficiency",
+                   "matmul_efficiency")
+"""The losses of the MFU waterfall, in MFU points, in this order between ``peak`` (100) and ``achieved``
+(the MFU in percent): a time bucket costs its share of the step × 100 (``host_other`` is the step model's
+``other``); compute costs ``recompute`` (its share), ``non_matmul`` (ops/kernels that are neither matmul nor
+attention), and per class ``<class>_efficiency`` = its time share × 100 − the model FLOPs it delivered as a
+share of peak × step (:func:`waterfall`)."""
+
+HOST_OTHER_PARTS = ("sync", "dtensor", "fsdp_hooks", "autograd_engine", "op_dispatch", "launch_gaps",
+                    "python_between_ops", "unexplained")
+"""``host_other`` split, first claim wins (the innermost first): the host waiting in a runtime sync call, in
+DTensor's own Python (``from_local`` / ``to_local`` / ``redistribute`` and its dispatch: tensor parallelism's
+cost on the host, even where it runs inside an FSDP hook or the autograd engine), in FSDP2's hooks
+(``FSDP::*``), in the autograd engine outside its ops, in other containers that only dispatch (autograd
+nodes); then inside forward+backward (meshkit's marker, else the host step): on CUDA ``launch_gaps`` (the
+device idle while the host runs Python and launches), on CPU ``python_between_ops``; ``unexplained`` the rest."""
+
+STEP_PHASES = ("data_wait", "stop_signal", "validation", "checkpoint", "profiler_overhead", "forward_backward",
+               "optimizer")
+"""MFUMonitor's timers: one step (previous batch end → this batch end) in disjoint phases that sum to its
+wall time. Between the batches: ``stop_signal`` (Lightning's per-batch stop-signal broadcast, where ranks wait
+for a slow rank: the breakdown's ``exposed_comm``), ``validation``, ``checkpoint`` (saves, and deletes of old
+checkpoints), ``profiler_overhead``, and ``data_wait`` (the rest: fetching the batch, the loop's own work).
+A save or validation run *inside* the batch (e.g. from ``training_step``) is taken out of the phase it ran in
+(``forward_backward`` or ``optimizer``) and counted once, in its own phase."""
+
+BETWEEN_STEPS_PARTS = ("setup", "sanity_check", "flop_count_step", "validation", "checkpoint", "profiler_overhead",
+                       "other", "teardown")
+"""``fit``'s wall time outside the measured steps (MFUMonitor's ``fit_time_s["between_steps"]``): ``setup``
+(the monitor's setup hook → train start: model wrapping, optimizers, peak calibration, without the sanity
+check), ``sanity_check`` (Lightning's sanity validation), ``flop_count_step`` (the batch FLOPs are counted
+on: a step, but not a measurement), then after the last batch: ``validation``, ``checkpoint``,
+``profiler_overhead`` and ``other`` (the loop's end) up to train end, and ``teardown`` (train end → the
+teardown hook). With :data:`STEP_PHASES` summed over the steps they tile the monitor's view of ``fit``."""
+
+WHAT_TO_DO = {
+    "exposed_comm": "overlap or shrink communication: see exposed_comm_by_axis_ms (tp: smaller tp or async TP; "
+                    "dp_shard: prefetch / reshard_after_forward=False / HSDP; pp: more micro-batches)",
+    "bubble": "more micro-batches per step, or an interleaved/zero-bubble schedule (meshkit bubble)",
+    "data_wait": "more DataLoader workers, pin_memory, prefetch_factor; keep the step loop free of host work",
+    "optimizer": "a fused or foreach optimizer (fused=True), fewer optimizer steps (gradient accumulation)",
+    "validation": "validate less often (val_check_interval) or on fewer batches (limit_val_batches)",
+    "checkpoint": "checkpoint less often, or asynchronously",
+    "profiler_overhead": "profile less often (profile_every) or fewer steps (profile_steps)",
+    "host_other": "the host is too slow to feed the device: torch.compile or CUDA graphs, larger micro-batches; "
+                  "see host_other_split",
+    "recompute": "checkpoint fewer layers (selective activation checkpointing) if memory allows",
+    "non_matmul": "fused norm/elementwise/loss kernels (meshkit's fused kernels, torch.compile)",
+    "attention_efficiency": "a faster attention kernel (flash / cuDNN SDPA), longer sequences per kernel",
+    "matmul_efficiency": "larger tile-aligned matmuls (hidden and ffn multiples of 128, a larger micro-batch), "
+                         "bf16 instead of fp32",
+}
+"""One line per waterfall part: what to try when it is a large loss (TensorBoard's waterfall and table,
+the console block, docs/profiling.md)."""
+
+
+def waterfall(shares: Mapping[str, float], compute_classes: Mapping[str, float],
+              delivered: Mapping[str, float]) -> list[dict[str, float]]:
+    """The MFU waterfall from the peak: ``[{"part": "peak", "points": 100.0}, <each of WATERFALL_PARTS>,
+    {"part": "achieved", "points": MFU in %}]``, the losses summing to ``100 - achieved``.
+
+    ``shares``: the step time split by :data:`BREAKDOWN_PARTS` (fractions summing to 1; ``other`` is
+    host_other). ``compute_classes``: the shares of ``compute`` time spent in ``attention`` and ``matmul``
+    (non_matmul is the rest). ``delivered``: the model FLOPs of each class (``matmul``: 6N, ``attention``:
+    12·L·H·Q·T) as a share of peak × step time; their sum is the MFU.
+
+    >>> w = waterfall({"compute": 0.5, "other": 0.5}, {"matmul": 0.8, "attention": 0.0},
+    ...               {"matmul": 0.3, "attention": 0.0})
+    >>> [(p["part"], round(p["points"], 6)) for p in w if p["points"]]
+    [('peak', 100.0), ('host_other', 50.0), ('non_matmul', 10.0), ('matmul_efficiency', 10.0), ('achieved', 30.0)]
+    """
+    c = shares.get("compute", 0.0)
+    att, mm = compute_classes.get("attention", 0.0), compute_classes.get("matmul", 0.0)
+    d_att, d_mm = delivered.get("attention", 0.0), delivered.get("matmul", 0.0)
+    loss = {p: 100.0 * shares.get(p, 0.0) for p in WATERFALL_PARTS[:7]}
+    loss.update(host_other=100.0 * shares.get("other", 0.0), recompute=100.0 * shares.get("recompute", 0.0),
+                non_matmul=100.0 * c * max(1.0 - att - mm, 0.0), attention_efficiency=100.0 * (c * att - d_att),
+                matmul_efficiency=100.0 * (c * mm - d_mm))
+    return ([{"part": "peak", "points": 100.0}] + [{"part": p, "points": loss[p]} for p in WATERFALL_PARTS]
+            + [{"part": "achieved", "points": 100.0 * (d_att + d_mm)}])
+
+
 HEADLINE_GROUP = "MFU"
 """TIME SERIES group 1 (expanded, the first cards of the first screen): the waterfall image, MFU in percent."""
 BREAKDOWN_GROUP = "MFU_breakdown_pct"
 """TIME SERIES group 2 (expanded on the first screen): one card per bucket, percent of the step time."""
-SCALAR_PREFIX = "mfu"
-"""The details group (collapsed): points lost, throughput, step time, per-window scalars, the Gantt."""
+SCALAR_PREFIX = "MFU_details"
+"""The details group (collapsed): points lost, throughput, step time, per-window scalars, the Gantt. Not ``mfu``:
+TensorBoard showed an ``MFU`` and an ``mfu`` group side by side (issue 26); every group name differs from the
+others in more than case."""
 
 WATERFALL_TAG = f"{HEADLINE_GROUP}/breakdown_waterfall"
 """Sorts first in its group (TIME SERIES sorts a group's cards by tag): the top-left card of the first screen."""
@@ -85,18 +184,46 @@ LAYOUT_TITLE = "MFU breakdown (percent)"
 """The custom-scalar category (CUSTOM SCALARS dashboard): one chart per series, each its own line."""
 
 
+WATERFALL_POINTS_GROUP = f"{HEADLINE_GROUP}_waterfall_points"
+"""One card per waterfall part (MFU points, rank 0, at each profiled window's step)."""
+EXPOSED_COMM_GROUP = f"{HEADLINE_GROUP}_exposed_comm_ms"
+"""One card per mesh axis: rank 0's exposed communication per step (ms) in each profiled window."""
+
+
+def waterfall_tag(part: str) -> str:
+    """A waterfall part's scalar, in MFU points: ``MFU_waterfall_points/<part>`` (``peak``, the losses of
+    :data:`WATERFALL_PARTS`, ``achieved``)."""
+    return f"{WATERFALL_POINTS_GROUP}/{part}"
+
+
+def exposed_comm_tag(axis: str) -> str:
+    """A mesh axis's exposed communication, ms per step: ``MFU_exposed_comm_ms/<axis>``."""
+    return f"{EXPOSED_COMM_GROUP}/{axis}"
+
+
 def breakdown_tag(part: str) -> str:
     """The per-step scalar of one bucket, in percent of the step time: ``MFU_breakdown_pct/<part>``."""
     return f"{BREAKDOWN_GROUP}/{part}"
 
 
 def points_lost_tag(part: str) -> str:
-    """The per-step scalar of the MFU percentage points one bucket costs: ``mfu/points_lost_pct/<part>``."""
+    """The per-step scalar of the MFU percentage points one bucket costs: ``MFU_details/points_lost_pct/<part>``."""
     return f"{SCALAR_PREFIX}/points_lost_pct/{part}"
 
 
+def fit_tag(section: str, part: str) -> str:
+    """Where ``fit``'s time went, written once at train end (s): ``MFU_details/fit_s/<section>/<part>``,
+    ``section`` ``steps`` (:data:`STEP_PHASES`) or ``between_steps`` (:data:`BETWEEN_STEPS_PARTS`), and
+    ``MFU_details/fit_s/wall`` / ``.../accounted``.
+
+    >>> fit_tag("steps", "checkpoint")
+    'MFU_details/fit_s/steps/checkpoint'
+    """
+    return f"{SCALAR_PREFIX}/fit_s/{section}/{part}" if part else f"{SCALAR_PREFIX}/fit_s/{section}"
+
+
 def window_tag(name: str) -> str:
-    """A profiled window's scalar (same step as its table and waterfall): ``mfu/window/<name>``, where
+    """A profiled window's scalar (same step as its table and waterfall): ``MFU_details/window/<name>``, where
     ``name`` is ``mfu_pct``, ``step_time_ms`` or ``breakdown_pct/<part>``."""
     return f"{SCALAR_PREFIX}/window/{name}"
 
@@ -108,7 +235,7 @@ def step_scalars(mfu: float, hfu: float, fractions: Mapping[str, float], *, step
 
     >>> s = step_scalars(0.25, 0.3, {"compute": 0.5, "other": 0.5}, step_time_s=0.1, tflops_per_device=1,
     ...                  hardware_tflops_per_device=1.2, tokens_per_s=10, tokens_per_s_per_device=10)
-    >>> s["MFU/mfu_pct"], s["MFU_breakdown_pct/other"], s["mfu/points_lost_pct/other"]
+    >>> s["MFU/mfu_pct"], s["MFU_breakdown_pct/other"], s["MFU_details/points_lost_pct/other"]
     (25.0, 50.0, 25.0)
     """
     t = _STEP_TAGS
@@ -136,8 +263,8 @@ def where_to_look(logdir: str) -> str:
     View it with:  tensorboard --logdir /tmp/logs
     """
     return (f"View it with:  tensorboard --logdir {logdir}\n"
-            f"  first screen, tab TIME SERIES: group {HEADLINE_GROUP}: {WATERFALL_TAG} (ideal -> achieved MFU, "
-            f"MFU points lost per bucket) and {MFU_TAG}\n"
+            f"  first screen, tab TIME SERIES: group {HEADLINE_GROUP}: {WATERFALL_TAG} (peak 100 -> achieved MFU, "
+            f"MFU points lost per part) and {MFU_TAG}\n"
             f"  and group {BREAKDOWN_GROUP}: one card per bucket, e.g. {breakdown_tag('data_wait')} "
             f"(percent of the step time)\n"
             f"  tab TEXT: {TABLE_TAG} (the window's table, per-rank overlap, stragglers)")
@@ -168,9 +295,11 @@ def points_lost(fractions: Mapping[str, float], mfu: float) -> dict[str, float]:
 
 
 def markdown_table(fractions: Mapping[str, float], mfu: float, step_time_s: float | None = None,
-                   title: str | None = None) -> str:
-    """A markdown table of the breakdown (four short columns, so TensorBoard's TEXT dashboard does not
-    wrap it): percent of the step, MFU points lost, milliseconds per step (if the step time is known)."""
+                   title: str | None = None, points: Sequence[Mapping[str, Any]] | None = None) -> str:
+    """Markdown tables of the breakdown (short columns, so TensorBoard's TEXT dashboard does not wrap
+    them): percent of the step, MFU points lost (against the ideal: compute at its own rate),
+    milliseconds per step (if the step time is known); and with ``points`` (:func:`waterfall`) the
+    waterfall from the peak: each part's MFU points and what to do about it."""
     lost = points_lost(fractions, mfu)
     head = "| part | % of step | MFU points lost |" + (" ms per step |" if step_time_s else "")
     lines = ([f"**{title}**", ""] if title else []) + [head, "|---|---:|---:|" + ("---:|" if step_time_s else "")]
@@ -181,6 +310,38 @@ def markdown_table(fractions: Mapping[str, float], mfu: float, step_time_s: floa
             row += f" {1e3 * step_time_s * fractions.get(p, 0.0):.3f} |"
         lines.append(row)
     lines.append(f"| **achieved MFU** | | **{100 * mfu:.2f} %** |" + (" |" if step_time_s else ""))
+    if points:
+        lines += ["", "**MFU waterfall from the peak** (MFU points; docs/profiling.md explains each part)", "",
+                  "| part | MFU points | what to do |", "|---|---:|---|"]
+        for p in points:
+            lines.append(f"| {p['part']} | {p['points']:.2f} | {WHAT_TO_DO.get(p['part'], '')} |")
+    return "\n".join(lines)
+
+
+def largest_losses(points: Sequence[Mapping[str, Any]], n: int = 3) -> list[tuple[str, float]]:
+    """The ``n`` largest losses of a waterfall (:func:`waterfall`), largest first: ``[(part, points)]``.
+
+    >>> largest_losses(waterfall({"compute": 0.5, "other": 0.5}, {"matmul": 1.0}, {"matmul": 0.25}), 2)
+    [('host_other', 50.0), ('matmul_efficiency', 25.0)]
+    """
+    losses = [(p["part"], float(p["points"])) for p in points if p["part"] in WATERFALL_PARTS]
+    return sorted((x for x in losses if x[1] > 0), key=lambda x: -x[1])[:n]
+
+
+def console_block(points: Sequence[Mapping[str, Any]], title: str = "meshkit MFU") -> str:
+    """The console's short block after the first profiled window: the MFU and the three largest losses,
+    each with what to do (:data:`WHAT_TO_DO`).
+
+    >>> block = console_block(waterfall({"compute": 0.5, "other": 0.5}, {"matmul": 1.0}, {"matmul": 0.25}))
+    >>> for line in block.splitlines():
+    ...     print(line[:60])
+    meshkit MFU: 25.00 % of peak; the largest losses (MFU points
+      host_other 50.00: the host is too slow to feed the device:
+      matmul_efficiency 25.00: larger tile-aligned matmuls (hidd
+    """
+    achieved = next(p["points"] for p in points if p["part"] == "achieved")
+    lines = [f"{title}: {achieved:.2f} % of peak; the largest losses (MFU points):"]
+    lines += [f"  {part} {pts:.2f}: {WHAT_TO_DO[part]}" for part, pts in largest_losses(points)]
     return "\n".join(lines)
 
 
@@ -279,38 +440,42 @@ into about 380 × 215 px and the IMAGES dashboard into 350 px of width, both wit
 _BLUE, _RED, _GREEN, _INK = (76, 114, 176), (196, 78, 82), (85, 168, 104), (26, 26, 26)
 
 
-def waterfall_image(fractions: Mapping[str, float], mfu: float, title: str = "MFU waterfall") -> np.ndarray:
-    """A horizontal waterfall as an (H, W, 3) uint8 image, top to bottom: ideal MFU (compute at its own
-    rate), the MFU points each part loses (a bar ending where the previous one started; parts that lose
-    under 0.005 points are left out, the table lists every part), the achieved MFU; every bar labelled.
+def waterfall_image(points: Sequence[Mapping[str, Any]], title: str = "MFU waterfall") -> np.ndarray:
+    """A horizontal waterfall (:func:`waterfall`) as an (H, W, 3) uint8 image, top to bottom: the peak
+    (100), the MFU points each part loses (a bar ending where the previous one started; parts that lose
+    under 0.005 points are left out, the table lists every part; a part below 0, a gain, is drawn in
+    green), the achieved MFU; every bar labelled.
 
     Drawn with Pillow (a few ms, no matplotlib import): it is rendered in every profiler window, whose
     cost is MFUMonitor's overhead.
 
-    >>> img = waterfall_image({"compute": 0.8, "other": 0.2}, 0.4)
+    >>> img = waterfall_image(waterfall({"compute": 0.8, "other": 0.2}, {"matmul": 1.0}, {"matmul": 0.4}))
     >>> img.shape, img.dtype.name
     ((405, 720, 3), 'uint8')
     """
     from PIL import Image, ImageDraw, ImageFont
 
-    lost = points_lost(fractions, mfu)
-    parts = [p for p in BREAKDOWN_PARTS[1:] if lost[p] >= 0.005]
-    labels = ["ideal"] + parts + ["achieved"]
-    ideal, achieved = lost["ideal"], 100 * mfu
+    by = {p["part"]: float(p["points"]) for p in points}
+    parts = [p for p in WATERFALL_PARTS if abs(by.get(p, 0.0)) >= 0.005]
+    labels = ["peak"] + parts + ["achieved"]
+    peak, achieved = by.get("peak", 100.0), by["achieved"]
     # (row label, bar start, bar end, colour, value text), in MFU percent
-    rows = [("ideal", 0.0, ideal, _BLUE, f"{ideal:.2f} %")]
-    level = ideal
+    rows = [("peak", 0.0, peak, _BLUE, f"{peak:.0f} %")]
+    level = peak
     for p in parts:
-        rows.append((p, level - lost[p], level, _RED, f"-{lost[p]:.2f} ({100 * fractions.get(p, 0.0):.0f} % of step)"))
-        level -= lost[p]
+        x = by[p]
+        rows.append((p, min(level - x, level), max(level - x, level), _RED if x > 0 else _GREEN,
+                     f"{-x:+.2f}" + (f"  {_hint(WHAT_TO_DO[p])}" if x >= 5 else "")))
+        level -= x
     rows.append(("achieved", 0.0, achieved, _GREEN, f"{achieved:.2f} %"))
-    size = 24 if len(labels) <= 7 else 20
+    size = 24 if len(labels) <= 7 else 20 if len(labels) <= 10 else 16
     font, small = ImageFont.load_default(size=size), ImageFont.load_default(size=size - 4)
     w, h = _WATERFALL_SIZE
     img = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(img)
     draw.text((w / 2, 4), title, font=small, fill=_INK, anchor="ma")
-    draw.text((w / 2, h - 4), "MFU, % of peak (bars: MFU points lost)", font=small, fill=_INK, anchor="md")
+    draw.text((w / 2, h - 4), "MFU, % of peak (bars: MFU points lost; text: what to try)", font=small, fill=_INK,
+              anchor="md")
     left = 14 + max(draw.textlength(label, font=font) for label in labels)
     top, bottom = 10 + size, h - 10 - size
     step = (bottom - top) / len(rows)
@@ -323,6 +488,16 @@ def waterfall_image(fractions: Mapping[str, float], mfu: float, title: str = "MF
         draw.text((left - 8, y), label, font=font, fill=_INK, anchor="rm")
     draw.line((left, top, left, bottom), fill=_INK, width=1)
     return np.asarray(img)
+
+
+def _hint(text: str, width: int = 32) -> str:
+    """A what-to-do line's first clause, cut at a word to ``width`` characters (the waterfall's bar text).
+
+    >>> _hint("more DataLoader workers, pin_memory, prefetch_factor"), _hint("overlap or shrink communication: see")
+    ('more DataLoader workers', 'overlap or shrink communication')
+    """
+    clause = re.split(r"[:;,(]", text, maxsplit=1)[0].strip()
+    return clause if len(clause) <= width else clause[:width].rsplit(" ", 1)[0] + " ..."
 
 
 def figure_to_array(fig) -> np.ndarray:
@@ -340,20 +515,25 @@ def write_layout(writer: Any) -> None:
 
 
 def write_window(writer: Any, step: int, fractions: Mapping[str, float], mfu: float, step_time_s: float,
-                 overlap: Mapping[str, Any] | None = None, gantt: Any = None, *, title: str | None = None,
-                 peak_source: str | None = None) -> None:
-    """A profiled window: the breakdown table (:data:`TABLE_TAG`), the waterfall (:data:`WATERFALL_TAG`)
-    and the ``mfu/window/*`` scalars (percent), all from the same ``fractions`` and ``mfu``; and (if
-    given) the overlap tables and the pipeline Gantt."""
+                 overlap: Mapping[str, Any] | None = None, gantt: Any = None, *, points: Sequence[Mapping[str, Any]],
+                 title: str | None = None, peak_source: str | None = None,
+                 exposed_comm_by_axis_ms: Mapping[str, float] | None = None) -> None:
+    """A profiled window: the breakdown table (:data:`TABLE_TAG`), the waterfall (:data:`WATERFALL_TAG`,
+    from ``points``: :func:`waterfall`, whose ``achieved`` is ``mfu``), its ``MFU_waterfall_points/*``
+    scalars, the ``MFU_details/window/*`` scalars (percent), ``MFU_exposed_comm_ms/<axis>`` (if given), all of
+    the same window; and (if given) the overlap tables and the pipeline Gantt."""
     title = title or f"MFU breakdown at step {step}"
-    text = markdown_table(fractions, mfu, step_time_s, title=title)
+    text = markdown_table(fractions, mfu, step_time_s, title=title, points=points)
     if peak_source:
         text += f"\n\npeak FLOP/s: {peak_source}"
     if overlap is not None:
         text += "\n\n" + overlap_markdown(overlap)
     writer.add_text(TABLE_TAG, text, step)
-    writer.add_image(WATERFALL_TAG, waterfall_image(fractions, mfu, title), step,
-                     dataformats="HWC")
+    writer.add_image(WATERFALL_TAG, waterfall_image(points, title), step, dataformats="HWC")
+    for p in points:
+        writer.add_scalar(waterfall_tag(p["part"]), float(p["points"]), step)
+    for axis, ms in (exposed_comm_by_axis_ms or {}).items():
+        writer.add_scalar(exposed_comm_tag(axis), float(ms), step)
     writer.add_scalar(window_tag("mfu_pct"), 100.0 * mfu, step)
     writer.add_scalar(window_tag("step_time_ms"), 1e3 * step_time_s, step)
     for p in BREAKDOWN_PARTS:

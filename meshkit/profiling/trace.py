@@ -52,7 +52,8 @@ import msgspec
 import numpy as np
 
 __all__ = ["Intervals", "RankTrace", "TraceWindow", "TraceLoadError", "PHASE_MARKERS", "BAD_EVENT_REASONS",
-           "find_trace_files", "load_trace", "load_rank_trace", "load_windows"]
+           "COMPUTE_CLASSES", "COMPUTE_CLASS_NAMES", "compute_class", "find_trace_files", "load_trace",
+           "load_rank_trace", "load_windows"]
 
 CHUNK_BYTES = 1 << 22  # 4 MiB per read
 _NCCL_COLL = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)", re.IGNORECASE)
@@ -154,6 +155,8 @@ class Intervals:
         >>> Intervals.union([0], [10]).intersect(Intervals.union([5], [20])).total
         5.0
         """
+        if not len(self) or not len(other):
+            return _NONE
         return self._combine(other, np.logical_and)
 
     def minus(self, other: "Intervals") -> "Intervals":
@@ -162,6 +165,8 @@ class Intervals:
         >>> Intervals.union([0], [10]).minus(Intervals.union([2, 6], [4, 7])).total
         7.0
         """
+        if not len(self) or not len(other):
+            return self
         return self._combine(other, lambda a, b: a & ~b)
 
     def measure(self, lo: Any, hi: Any) -> np.ndarray:
@@ -171,6 +176,9 @@ class Intervals:
         if len(self) == 0:
             return np.zeros(np.broadcast(lo, hi).shape)
         return np.maximum(self._covered_before(hi) - self._covered_before(lo), 0.0)
+
+
+_NONE = Intervals(np.empty(0), np.empty(0))
 
 
 def intersection_measure(a: Intervals, b: Intervals, lo: Any, hi: Any) -> np.ndarray:
@@ -186,14 +194,64 @@ PHASE_MARKERS: dict[str, str] = {
     "meshkit:optimizer": "optimizer",
     "meshkit:validation": "validation",
     "meshkit:checkpoint": "checkpoint",
+    "meshkit:stop_signal": "stop_signal",
     "Optimizer.step#": "optimizer",
     "Optimizer.zero_grad#": "optimizer",
     "enumerate(DataLoader)#": "data_wait",
 }
 """Host span name (prefix) -> the step phase it marks. ``meshkit:*`` spans are MFUMonitor's own
-``record_function`` markers; the others are torch's."""
+``record_function`` markers (``meshkit:stop_signal``: Lightning's per-batch stop-signal broadcast, where the
+ranks wait for the slowest between batches); the others are torch's."""
 
 _EMPTY = lambda: Intervals.union([], [])  # noqa: E731
+
+
+COMPUTE_CLASSES: tuple[tuple[str, str, str], ...] = (
+    # (class, CPU operator names (cpu_op), CUDA kernel names (kernel)); regular expressions, case-insensitive,
+    # searched in this order: the first class that matches wins (attention before matmul: an SDPA op in
+    # its math form runs bmm ops inside it, and a fused attention kernel's name may say "cutlass").
+    ("attention",
+     r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention|flex_attention",
+     r"flash|fmha|attention|_attn_|attn_fwd|attn_bwd|sdpa"),
+    ("matmul",
+     r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|mv|addmv|dot|vdot|einsum|_scaled_mm|_grouped_mm"
+     r"|_addmm_activation|mkldnn_linear|mkldnn_matmul|linear_backward)$",
+     r"gemm|gemv|cublas|cutlass|xmma|nvjet|hmma|s16816|s1688|s884|splitk|matmul|_mm_|wgmma"),
+)
+"""The one operator/kernel classification of compute: a compute operator (CPU traces) or compute kernel
+(CUDA traces) is ``attention``, ``matmul``, or neither (``non_matmul``: norms, elementwise, softmax outside
+attention, the loss, copies, meshkit's and other Triton kernels such as ``_rms_norm_fwd``). NCCL kernels
+are communication, never compute (see the module doc). ``meshkit analyze``'s waterfall splits compute time
+by it (docs/profiling.md lists it)."""
+_CLASS_RES = tuple((name, re.compile(cpu, re.IGNORECASE), re.compile(kern, re.IGNORECASE))
+                   for name, cpu, kern in COMPUTE_CLASSES)
+COMPUTE_CLASS_NAMES = ("attention", "matmul", "non_matmul")
+
+
+def compute_class(name: str, kernel: bool = False) -> str:
+    """The class of a compute operator (``kernel=False``) or CUDA kernel by name (:data:`COMPUTE_CLASSES`).
+
+    >>> compute_class("aten::addmm"), compute_class("aten::_scaled_dot_product_flash_attention_for_cpu")
+    ('matmul', 'attention')
+    >>> compute_class("sm90_xmma_gemm_bf16bf16_bf16f32", kernel=True), compute_class("_rms_norm_fwd", kernel=True)
+    ('matmul', 'non_matmul')
+    """
+    for cls, cpu, kern in _CLASS_RES:
+        if (kern if kernel else cpu).search(name):
+            return cls
+    return "non_matmul"
+
+
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent",
+               "hipStreamSynchronize", "hipDeviceSynchronize", "hipEventSynchronize")
+"""CUDA/HIP runtime calls in which the host waits for the device (host_other's ``sync``)."""
+
+_DTENSOR_OPS = re.compile(r"^(?:PythonSubclass|_FromTorchTensor|_ToTorchTensor|(?:Nested)?Redistribute)"
+                          r"(?:Backward\d*)?$")
+"""``cpu_op`` containers of DTensor (torch 2.13): its ``__torch_dispatch__`` (``PythonSubclass``), ``from_local`` /
+``to_local`` (``_FromTorchTensor`` / ``_ToTorchTensor``), ``redistribute`` and their backward nodes: host_other's
+``dtensor`` (tensor parallelism's Python; in the demo 42 ms of rank 0's 555 ms window)."""
+
 
 
 @dataclass
@@ -216,10 +274,36 @@ class RankTrace:
     """Union of ``PP:*`` spans (pipeline actions), if the run recorded them."""
     waits: Intervals = field(default_factory=_EMPTY)
     """CPU: explicit comm-wait ops (``*wait*`` c10d ops) on the step's thread."""
+    comm_calls: Intervals = field(default_factory=_EMPTY)
+    """CPU: collective calls on the step's thread (``c10d::*`` and ``_c10d_functional::*`` ops but the waits
+    and ``record_param_comms``). On a loaded host such a call outlasts its gloo span by milliseconds (a 3 ms
+    ``c10d::allreduce_`` around a 0.2 ms ``gloo:all_reduce`` in the demo): the thread is in the collective's
+    call, not computing, and the step model counts it as exposed comm."""
     phases: dict[str, Intervals] = field(default_factory=dict)
     """Host phase spans on the step's thread, by phase (see :data:`PHASE_MARKERS`)."""
     optimizer_kernels: Intervals = field(default_factory=_EMPTY)
     """CUDA: compute kernels launched inside an optimizer phase span."""
+    compute_classes: dict[str, Intervals] = field(default_factory=dict)
+    """``attention`` and ``matmul``: the compute ops (CPU) or kernels (CUDA) of that class
+    (:data:`COMPUTE_CLASSES`), as unions; each lies inside ``compute`` (they may overlap each other)."""
+    host_spans: dict[str, Intervals] = field(default_factory=dict)
+    """Host time that explains host_other, on the step's thread: ``sync`` (runtime sync calls),
+    ``fsdp_hooks`` (``FSDP::*`` spans), ``autograd_engine`` (``autograd::engine::*`` spans),
+    ``op_dispatch`` (containers that only dispatch: autograd nodes ...), ``dtensor`` (DTensor's own containers:
+    :data:`_DTENSOR_OPS`)."""
+    comm_groups: dict[str, Intervals] = field(default_factory=dict)
+    """``comm`` by process group name: NCCL kernels by the group in their args; gloo spans by the group of
+    the ``record_param_comms`` ops that precede them on the main thread, one group per worker thread (a
+    gloo process group runs its collectives on threads of its own), the most frequent one."""
+    group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    """Process group name -> its global ranks, as the trace records them (``distributedInfo.pg_config``,
+    the ops' and kernels' ``Process Group Ranks``)."""
+    mesh_groups: dict[str, Any] | None = None
+    """The mesh axes' process groups MFUMonitor wrote (``meshkit_mesh_groups``: ``{axis: {"group_name",
+    "ranks"}}``)."""
+    flops: dict[str, Any] | None = None
+    """Model FLOPs per step of one device that MFUMonitor wrote (its trace's ``meshkit_flops`` key:
+    ``{"matmul", "attention", "recompute_share", "source"}``)."""
     peak: dict[str, Any] | None = None
     """The peak FLOP/s MFUMonitor used (``{"flops", "source"}``, its trace's ``meshkit_peak`` key)."""
     host_steps: Intervals = field(default_factory=_EMPTY)
@@ -251,6 +335,9 @@ class TraceWindow:
 
 class _Args(msgspec.Struct, gc=False):
     correlation: Union[int, float, str, None] = None  # str: kept, to be flagged (_bad_reason)
+    pg_name: Union[str, int, None] = msgspec.field(default=None, name="Process Group Name")
+    pg_ranks: Union[str, list, None] = msgspec.field(default=None, name="Process Group Ranks")
+    """``record_param_comms`` ops and NCCL kernels: the process group (its name, its ranks as "[0, 1]")."""
 
 
 class _Event(msgspec.Struct, gc=False, tag_field="ph", tag="X"):
@@ -316,11 +403,16 @@ def _coerce(ev: Any) -> _Event:
     if ph != "X":
         return _UNREAD.get(ph, _SKIP) if isinstance(ph, str) else _SKIP
     args, corr = ev.get("args"), None
-    if isinstance(args, dict) and args.get("correlation") is not None:
-        corr = _Args(args["correlation"])
+    if isinstance(args, dict) and any(args.get(k) is not None for k in _ARG_KEYS):
+        pg, ranks = args.get("Process Group Name"), args.get("Process Group Ranks")
+        corr = _Args(args.get("correlation"), pg if isinstance(pg, (str, int)) else None,
+                     ranks if isinstance(ranks, (str, list)) else None)
     tid = ev.get("tid")
     return _Event(str(ev.get("cat", "")), str(ev.get("name", "")), ev.get("ts"), ev.get("dur"),
                   tid if isinstance(tid, (int, str)) else None, corr)
+
+
+_ARG_KEYS = ("correlation", "Process Group Name", "Process Group Ranks")
 
 
 def _times(xs: list[_Event]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -388,7 +480,20 @@ class _Sink:
         self.rt_ts, self.rt_corr = f(), f()
         self.cpu_s, self.cpu_e, self.cpu_tid = f(), f(), f()
         self.wait_s, self.wait_e, self.wait_tid = f(), f(), f()
+        self.call_s, self.call_e, self.call_tid = f(), f(), f()
         self.autograd_e = f()
+        self.mm_s, self.mm_e, self.mm_tid, self.at_s, self.at_e, self.at_tid = f(), f(), f(), f(), f(), f()
+        self.eng_s, self.eng_e, self.eng_tid, self.disp_s, self.disp_e, self.disp_tid = f(), f(), f(), f(), f(), f()
+        self.dt_s, self.dt_e, self.dt_tid = f(), f(), f()
+        self.kmm_s, self.kmm_e, self.kat_s, self.kat_e = f(), f(), f(), f()
+        self.sync_s, self.sync_e = f(), f()
+        self.comm_k_pg: list[str | None] = []
+        """Per NCCL kernel: its process group's name (None: not recorded)."""
+        self.pg_calls: list[tuple[float, float | None, str]] = []
+        """``record_param_comms`` ops: (start, thread, process group name)."""
+        self.pg_ranks: dict[str, list[int]] = {}
+        """Process group name -> its ranks, as the trace records them."""
+        self.hook_s, self.hook_e, self.hook_tid = f(), f(), f()
         self.ccomm_s, self.ccomm_e, self.ccomm_tid = f(), f(), f()
         self.ccomm_names: list[str] = []
         self.pp_s, self.pp_e = f(), f()
@@ -404,6 +509,8 @@ class _Sink:
         self._cpu_op_kind = _Memo(_cpu_op_kind)
         self._cat_code = _Memo(_cat_code)
         self._collective = _Memo(_kernel_collective)
+        self._kernel_code = _Memo(_kernel_code)
+        self._sync = _Memo(lambda name: name.startswith(_SYNC_CALLS))
 
     @property
     def first_ts(self) -> float:
@@ -450,19 +557,41 @@ class _Sink:
                 corr = corrs[code]  # type: ignore[index]
                 has = ~np.isnan(corr)
                 _put(self.rt_ts, start[has]), _put(self.rt_corr, corr[has])
+                sync = np.fromiter(map(self._sync.__getitem__, map(_NAME, evs)), dtype=bool, count=len(evs))
+                if sync.any():
+                    _put(self.sync_s, start[sync]), _put(self.sync_e, end[sync])
 
     def _kernels(self, evs: list[_Event], start: np.ndarray, end: np.ndarray, corr: np.ndarray) -> None:
-        colls = list(map(self._collective.__getitem__, map(_NAME, evs)))
-        is_nccl = np.fromiter(map(bool, colls), dtype=bool, count=len(evs))
+        # one pass over the names: NCCL (communication) or a compute class (COMPUTE_CLASSES)
+        code = np.fromiter(map(self._kernel_code.__getitem__, map(_NAME, evs)), dtype=np.int8, count=len(evs))
+        is_nccl = code == _NCCL
         corr = np.where(np.isnan(corr), -1.0, corr)  # no correlation: no launch to match
         if is_nccl.any():
+            nccl = list(itertools.compress(evs, is_nccl))
             _put(self.comm_k_s, start[is_nccl]), _put(self.comm_k_e, end[is_nccl])
             _put(self.comm_k_corr, corr[is_nccl])
-            self.comm_k_stream.extend(_floats(list(itertools.compress(evs, is_nccl)), _TID, _tid))
-            self.comm_k_names.extend(filter(None, colls))
+            self.comm_k_stream.extend(_floats(nccl, _TID, _tid))
+            self.comm_k_names.extend(map(self._collective.__getitem__, map(_NAME, nccl)))
+            self.comm_k_pg.extend(map(self._group, nccl))
             is_compute = ~is_nccl
-            start, end, corr = start[is_compute], end[is_compute], corr[is_compute]
+            start, end, corr, code = start[is_compute], end[is_compute], corr[is_compute], code[is_compute]
         _put(self.kern_s, start), _put(self.kern_e, end), _put(self.kern_corr, corr)
+        for cls, s_, e_ in ((_MATMUL, self.kmm_s, self.kmm_e), (_ATTENTION, self.kat_s, self.kat_e)):
+            sel = code == cls
+            if sel.any():
+                _put(s_, start[sel]), _put(e_, end[sel])
+
+    def _group(self, ev: _Event) -> str | None:
+        """An event's process group name (and its ranks, once per group), as recorded in its args."""
+        a = ev.args
+        if a is None or a.pg_name is None:
+            return None
+        name = str(a.pg_name)
+        if name not in self.pg_ranks and a.pg_ranks is not None:
+            ranks = _ranks(a.pg_ranks)
+            if ranks is not None:
+                self.pg_ranks[name] = ranks
+        return name
 
     def _drop_bad(self, xs: list[_Event]) -> list[_Event]:
         good = []
@@ -479,12 +608,26 @@ class _Sink:
     def _host(self, cat: str, evs: list[_Event], start: np.ndarray, end: np.ndarray) -> None:
         if cat == "cpu_op":  # compute: operators; waits: explicit c10d wait ops (aten:: first: most ops)
             kind = np.fromiter(map(self._cpu_op_kind.__getitem__, map(_NAME, evs)), dtype=np.int8, count=len(evs))
-            is_op, is_wait = kind == _OP, kind == _WAIT  # (the spans only feed unions: their order is free)
+            # (the spans only feed unions: their order is free)
+            is_op, is_wait = (kind >= _OP) & (kind <= _OP_ATTENTION), kind == _WAIT
             _put(self.cpu_s, start[is_op]), _put(self.cpu_e, end[is_op])
             tid = np.frombuffer(_floats(evs, _TID, _tid), dtype=np.float64)
             _put(self.cpu_tid, tid[is_op])
             _put(self.wait_s, start[is_wait]), _put(self.wait_e, end[is_wait]), _put(self.wait_tid, tid[is_wait])
+            for code, cols in ((_OP_MATMUL, (self.mm_s, self.mm_e, self.mm_tid)),
+                               (_OP_ATTENTION, (self.at_s, self.at_e, self.at_tid)),
+                               (_ENGINE, (self.eng_s, self.eng_e, self.eng_tid)),
+                               (_DISPATCH, (self.disp_s, self.disp_e, self.disp_tid)),
+                               (_DTENSOR, (self.dt_s, self.dt_e, self.dt_tid)),
+                               (_COMM_CALL, (self.call_s, self.call_e, self.call_tid))):
+                sel = kind == code
+                if sel.any():
+                    _put(cols[0], start[sel]), _put(cols[1], end[sel]), _put(cols[2], tid[sel])
             _put(self.autograd_e, end[kind == _ENGINE])
+            for i in np.flatnonzero(kind == _PARAM_COMMS).tolist():  # few: one per collective
+                name = self._group(evs[i])
+                if name is not None:
+                    self.pg_calls.append((float(start[i]), _thread(evs[i].tid), name))
             return
         for ev in evs:  # comm, pipeline and phase spans: few
             name = ev.name
@@ -493,13 +636,21 @@ class _Sink:
                 self.ccomm_tid.append(_tid(ev)), self.ccomm_names.append(name)
             elif name.startswith("PP:"):
                 self.pp_s.append(ev.ts), self.pp_e.append(ev.ts + ev.dur)
+            elif name.startswith("FSDP::"):
+                self.hook_s.append(ev.ts), self.hook_e.append(ev.ts + ev.dur), self.hook_tid.append(_tid(ev))
             elif (phase := _phase_of(name)) is not None:
                 self.phases.append((phase, ev.ts, ev.ts + ev.dur, _thread(ev.tid), name.startswith("meshkit:")))
             elif cat == "user_annotation" and name.startswith("ProfilerStep#") and name[13:].isdigit():
                 self.steps.append((int(name[13:]), ev.ts, ev.ts + ev.dur, _thread(ev.tid)))
 
 
-_OP, _WAIT, _ENGINE = 1, 2, 3
+_COMM_CALL, _OP, _OP_MATMUL, _OP_ATTENTION, _WAIT, _ENGINE, _DISPATCH, _PARAM_COMMS = 0, 1, 2, 3, 4, 5, 6, 7
+_DTENSOR = 8
+"""A ``cpu_op``'s kind: a collective call (``c10d::allreduce_``, ``_c10d_functional::all_reduce`` ...), an
+operator (other, matmul, attention: :data:`COMPUTE_CLASSES`; the three are compute), an explicit comm wait,
+the autograd engine, a container that only dispatches (DTensor's own: :data:`_DTENSOR_OPS`)."""
+_MATMUL, _ATTENTION, _NCCL = 1, 2, 3
+"""A kernel's codes: compute classes (0: non_matmul), NCCL."""
 _KEPT_CATS = ("cpu_op", "cuda_driver", "cuda_runtime", "gpu_memcpy", "gpu_memset", "hip_runtime", "kernel",
               "python_function", "user_annotation")
 """The categories of complete events the analysis reads, in sorted order (the order they are added in)."""
@@ -544,13 +695,41 @@ def _cat_code(cat: str) -> int:
 
 
 def _cpu_op_kind(name: str) -> int:
-    """A ``cpu_op``: an operator (compute, ``aten::`` first: most ops), an explicit comm wait, the
-    autograd engine (its ends split torch's optimizer spans), or 0 (containers, comm ops)."""
+    """A ``cpu_op``: an operator (compute, ``aten::`` first: most ops; by class), an explicit comm wait,
+    the autograd engine (its ends split torch's optimizer spans), a container that only dispatches
+    (autograd nodes, DTensor's), or 0 (comm ops)."""
     if name.startswith("aten::") or ("::" in name and not name.startswith(_NOT_COMPUTE)):
-        return _OP
+        cls = compute_class(name)
+        return _OP_MATMUL if cls == "matmul" else _OP_ATTENTION if cls == "attention" else _OP
     if "wait" in name and name.startswith(_COMM_NS):
         return _WAIT
-    return _ENGINE if name.startswith("autograd::engine") else 0
+    if name.startswith("autograd::engine"):
+        return _ENGINE
+    if name == "record_param_comms":
+        return _PARAM_COMMS
+    if name.startswith(_COMM_NS):
+        return _COMM_CALL
+    return _DTENSOR if _DTENSOR_OPS.match(name) else _DISPATCH
+
+
+def _ranks(value: Any) -> list[int] | None:
+    """A process group's ranks as Kineto writes them ("[0, 1]", or a list), None if unreadable."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if isinstance(value, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in value):
+        return list(value)
+    return None
+
+
+def _kernel_code(name: str) -> int:
+    """A device kernel: ``_NCCL`` (communication), else its compute class's code (0: non_matmul)."""
+    if _kernel_collective(name) is not None:
+        return _NCCL
+    cls = compute_class(name, kernel=True)
+    return _MATMUL if cls == "matmul" else _ATTENTION if cls == "attention" else 0
 
 
 def _kernel_collective(name: str) -> str | None:
@@ -837,9 +1016,21 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
         info = meta.get("distributedInfo") or {}
         if isinstance(info.get("world_size"), int):
             rt.world_size = info["world_size"]
+        pgs = info.get("pg_config")
+        for pg in pgs if isinstance(pgs, list) else []:
+            ranks = _ranks(pg.get("ranks")) if isinstance(pg, dict) else None
+            if ranks is not None and pg.get("pg_name") is not None:  # torch's list of the process groups
+                rt.group_ranks.setdefault(str(pg["pg_name"]), ranks)
         rt.host = meta.get("host_name", rt.host)
         if isinstance(meta.get("meshkit_peak"), dict):
             rt.peak = meta["meshkit_peak"]
+        if isinstance(meta.get("meshkit_flops"), dict):
+            rt.flops = meta["meshkit_flops"]
+        if isinstance(meta.get("meshkit_mesh_groups"), dict):
+            rt.mesh_groups = meta["meshkit_mesh_groups"]
+    for sk in sinks:
+        for name, ranks in sk.pg_ranks.items():
+            rt.group_ranks.setdefault(name, ranks)
     cat = lambda name: np.concatenate([_arr(getattr(s, name)) for s in sinks]) if sinks else np.empty(0)  # noqa
     steps = sorted({st[0]: st for s in sinks for st in s.steps}.values())
     main = np.array(sorted({st[3] for st in steps if st[3] is not None}))
@@ -864,6 +1055,11 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
             by_phase["optimizer"] = _after_backward(*by_phase["optimizer"], np.sort(cat("autograd_e")))
     rt.phases = {k: Intervals.union(v[0], v[1]) for k, v in by_phase.items()}
     rt.host_steps = Intervals.union([st[1] for st in steps], [st[2] for st in steps])
+    main_only = lambda name: on_main(cat(name + "_tid"))  # noqa: E731
+    spans = {"dtensor": "dt", "fsdp_hooks": "hook", "autograd_engine": "eng", "op_dispatch": "disp"}
+    rt.host_spans = {part: Intervals.union(cat(k + "_s")[main_only(k)], cat(k + "_e")[main_only(k)])
+                     for part, k in spans.items()}
+    rt.host_spans = {"sync": Intervals.union(cat("sync_s"), cat("sync_e")), **rt.host_spans}
     if rt.shape == "cuda":
         rt.compute = Intervals.union(kern_s, kern_e)
         rt.comm = Intervals.union(ck_s, ck_e)
@@ -871,22 +1067,37 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
         names = [n for s in sinks for n in s.comm_k_names]
         rt.collectives = sorted(zip(names, ck_s.tolist(), ck_e.tolist(), cat("comm_k_stream").tolist()),
                                 key=lambda x: x[1])
+        groups = [g for s in sinks for g in s.comm_k_pg]
+        calls = sorted(c for s in sinks for c in s.pg_calls if not main.size or c[1] in main)
+        if calls and None in groups:  # no group in a kernel's args: the record_param_comms before its launch
+            launch = np.nan_to_num(_launch_times(sinks, cat, cat("comm_k_corr")), nan=-np.inf)
+            k = np.searchsorted(np.array([c[0] for c in calls]), launch, side="right") - 1
+            groups = [g if g is not None or i < 0 else calls[i][2] for g, i in zip(groups, k.tolist())]
+        rt.comm_groups = _by_group(groups, ck_s, ck_e)
         launch = _launch_times(sinks, cat, cat("kern_corr"))
         opt = rt.phases.get("optimizer")
         if opt is not None and len(opt):
             sel = ~np.isnan(launch) & opt._contains(np.nan_to_num(launch, nan=-np.inf))
             rt.optimizer_kernels = Intervals.union(kern_s[sel], kern_e[sel])
         rt.step_ids, rt.step_windows = _cuda_step_windows(steps, sinks, cat)
+        rt.compute_classes = {"attention": Intervals.union(cat("kat_s"), cat("kat_e")),
+                              "matmul": Intervals.union(cat("kmm_s"), cat("kmm_e"))}
     else:
         cpu_s, cpu_e, cpu_tid = cat("cpu_s"), cat("cpu_e"), cat("cpu_tid")
         keep = on_main(cpu_tid)
         rt.compute = Intervals.union(cpu_s[keep], cpu_e[keep])
+        rt.compute_classes = {name: Intervals.union(cat(k + "_s")[main_only(k)], cat(k + "_e")[main_only(k)])
+                              for name, k in (("attention", "at"), ("matmul", "mm"))}
         keep = on_main(cat("wait_tid"))
         rt.waits = Intervals.union(cat("wait_s")[keep], cat("wait_e")[keep])
+        keep = main_only("call")
+        rt.comm_calls = Intervals.union(cat("call_s")[keep], cat("call_e")[keep])
         cs, ce = cat("ccomm_s"), cat("ccomm_e")
         rt.comm = Intervals.union(cs, ce)
         names = [n for s in sinks for n in s.ccomm_names]
         rt.collectives = sorted(zip(names, cs.tolist(), ce.tolist(), cat("ccomm_tid").tolist()), key=lambda x: x[1])
+        calls = sorted(c for s in sinks for c in s.pg_calls if not main.size or c[1] in main)
+        rt.comm_groups = _by_group(_gloo_groups(calls, cs, cat("ccomm_tid")), cs, ce)
         if steps:
             rt.step_ids = np.array([st[0] for st in steps], dtype=np.int64)
             rt.step_windows = np.array([[st[1], st[2]] for st in steps], dtype=np.float64)
@@ -897,6 +1108,38 @@ def _build(rank: int, paths: list[str], sinks: list[_Sink], metas: list[dict], p
         rt.step_windows = np.array([[every.starts[0], every.ends[-1]]])
         rt.problems.append("no ProfilerStep# spans: the whole trace is analysed as one step")
     return rt
+
+
+def _by_group(groups: list, starts: np.ndarray, ends: np.ndarray) -> dict[str, Intervals]:
+    """Comm spans by process group name (spans with no known group are left out)."""
+    out: dict[str, tuple[list, list]] = {}
+    for g, s, e in zip(groups, starts.tolist(), ends.tolist()):
+        if g is not None:
+            out.setdefault(g, ([], []))[0].append(s), out[g][1].append(e)
+    return {g: Intervals.union(s, e) for g, (s, e) in out.items()}
+
+
+def _gloo_groups(calls: list[tuple[float, Any, str]], starts: np.ndarray, tids: np.ndarray) -> list:
+    """Each gloo span's process group. The spans, in start order, take the ``record_param_comms`` calls
+    that started before them first in, first out (collectives enqueued back to back start in that order);
+    then each worker thread gets its most frequent group (a gloo group runs its collectives on threads
+    of its own), which outvotes a span that took another group's call. None: no call before any span."""
+    if not calls or not starts.size:
+        return [None] * int(starts.size)
+    taken: dict[float, dict[str, int]] = {}
+    pending: list[str] = []
+    i = 0
+    tid_list = tids.tolist()
+    for k in np.argsort(starts, kind="stable").tolist():
+        while i < len(calls) and calls[i][0] <= starts[k]:
+            pending.append(calls[i][2])
+            i += 1
+        if pending:
+            v = taken.setdefault(tid_list[k], {})
+            g = pending.pop(0)
+            v[g] = v.get(g, 0) + 1
+    best = {tid: max(v, key=lambda g: (v[g], g)) for tid, v in taken.items()}
+    return [best.get(tid) for tid in tid_list]
 
 
 def _after_backward(starts: list, ends: list, autograd_ends: np.ndarray) -> tuple[list, list]:

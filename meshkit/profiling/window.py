@@ -21,22 +21,61 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from meshkit.profiling.overlap import step_buckets, step_claims
-from meshkit.profiling.trace import RankTrace, load_rank_trace
+from meshkit.profiling.trace import PHASE_MARKERS, RankTrace, load_rank_trace
 
-__all__ = ["ProfilerWindows", "WindowSteps", "MARKERS"]
+__all__ = ["ProfilerWindows", "WindowSteps", "kineto_lines_filtered"]
 
-MARKERS = ("forward_backward", "optimizer", "validation", "checkpoint")
-"""The phases meshkit marks in a window's trace, as ``record_function("meshkit:<phase>")``."""
+_KINETO_USDT = re.compile(r"^USDT:[^\n]*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)\s*$")
+"""Known harmless: libkineto (torch 2.13) writes ``USDT:<date> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+profiler_start`` (and ``profiler_stop``) to the process's stderr at every profiler start and stop, at a log level above
+ERROR, so ``KINETO_LOG_LEVEL`` cannot hide them without hiding kineto's errors too; on 4 ranks they were 8 lines
+breaking Lightning's progress bar in every profiled run."""
+
+
+@contextlib.contextmanager
+def kineto_lines_filtered() -> Iterator[None]:
+    """Run a profiler start/step/stop with the process's stderr (fd 2) caught, then write back every line but
+    kineto's :data:`_KINETO_USDT` start/stop markers (anything else kineto or another thread wrote is kept).
+
+    >>> with kineto_lines_filtered():
+    ...     pass
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real fd 2 (an embedding host): nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _KINETO_USDT.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 @dataclass
@@ -48,7 +87,8 @@ class WindowSteps:
     batches: list[int]
     """The active batches, in order."""
     buckets_ms: list[dict[str, float]]
-    """Per active batch: :data:`meshkit.profiling.overlap.TRACE_BUCKETS` in ms."""
+    """Per active batch: :data:`meshkit.profiling.overlap.TRACE_BUCKETS` in ms, and ``stop_signal`` (the part of
+    ``exposed_comm`` spent in Lightning's stop-signal broadcast between batches) where the trace marks it."""
     trace: RankTrace | None = None
     claims: list = field(default_factory=list)
 
@@ -106,20 +146,23 @@ class ProfilerWindows:
         self._prof = profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=self.steps, repeat=1),
                              on_trace_ready=lambda p: p.export_chrome_trace(self.path(self.first)),
                              record_shapes=False, with_stack=False)
-        self._prof.start()
+        with kineto_lines_filtered():
+            self._prof.start()
         for key, value in self.metadata.items():
             self._prof.add_metadata_json(key, json.dumps(value))
 
     def step(self) -> bool:
         """The end of a batch inside the window; True when the window's last batch has ended."""
-        self._prof.step()
+        with kineto_lines_filtered():  # the schedule starts and stops kineto inside step()
+            self._prof.step()
         self._seen += 1
         return self._seen >= 1 + self.steps
 
     def stop(self) -> WindowSteps | None:
         """Stop the profiler (exporting the trace), parse this rank's trace once, and return its batches."""
         self.mark_end_all()
-        self._prof.stop()
+        with kineto_lines_filtered():
+            self._prof.stop()
         self._prof = None
         path = self.path(self.first)
         if not os.path.exists(path):
@@ -133,6 +176,11 @@ class ProfilerWindows:
         # ProfilerStep#k spans the k-th prof.step() to the next: batch first + k (k = 1 .. steps).
         batches = [self.first + int(k) for k in rt.step_ids]
         per = [{name: float(v[i]) / 1e3 for name, v in b.items()} for i in range(n)]
+        stop = rt.phases.get("stop_signal")
+        if stop is not None and len(stop):  # the step's exposed comm outside it: the stop-signal wait (the timers')
+            waited = dict(claims)["exposed_comm"].intersect(stop).measure(rt.step_windows[:, 0], rt.step_windows[:, 1])
+            for i in range(n):
+                per[i]["stop_signal"] = float(waited[i]) / 1e3
         return WindowSteps(self.first, batches, per, rt, claims)
 
     def discard(self) -> None:
@@ -140,7 +188,8 @@ class ProfilerWindows:
         if self._prof is None:
             return
         self.mark_end_all()
-        self._prof.stop()
+        with kineto_lines_filtered():
+            self._prof.stop()
         self._prof = None
         if os.path.exists(self.path(self.first)):
             os.remove(self.path(self.first))
@@ -151,12 +200,18 @@ class ProfilerWindows:
     # ---------------------------------------------------------------- markers
 
     def mark_begin(self, phase: str) -> None:
-        """Open ``meshkit:<phase>`` in the trace (only while a window records)."""
+        """Open ``meshkit:<phase>`` in the trace (only while a window records); the span names are those
+        the trace reader knows (:data:`meshkit.profiling.trace.PHASE_MARKERS`), so writer and reader agree."""
+        name = f"meshkit:{phase}"
+        if PHASE_MARKERS.get(name) != phase:
+            known = [v for k, v in PHASE_MARKERS.items() if k.startswith("meshkit:")]
+            raise ValueError(f"ProfilerWindows.mark_begin: `phase={phase!r}` is not a phase the trace reader knows; "
+                             f"use one of {known} (meshkit.profiling.trace.PHASE_MARKERS).")
         if self._prof is None or phase in self._open:
             return
         from torch.autograd.profiler import record_function
 
-        rf = record_function(f"meshkit:{phase}")
+        rf = record_function(name)
         rf.__enter__()
         self._open[phase] = rf
 

@@ -2,11 +2,11 @@
 tests.distributed.jobs's fork server, which runs this module as ``__main__`` as ``python -m`` would.
 
     python -m tests.distributed.fault_worker save   CKPT_DIR PHASE KILL_RANK   # 4 steps, last.ckpt at 2 and 4; SIGKILL at PHASE of the 2nd last.ckpt save
-    python -m tests.distributed.fault_worker resume CKPT_PATH OUT_DIR [LAYERS] # restore CKPT_PATH, no training; write params + step
+    python -m tests.distributed.fault_worker resume CKPT_PATH OUT_DIR [LAYERS [unverified]] # restore CKPT_PATH, no training; write params + step
     python -m tests.distributed.fault_worker resume_each CKPT OUT [CKPT OUT ...] # resume each in turn, one job
     python -m tests.distributed.fault_worker freeze STOP_RANK                  # dp_shard=2 x tp=2, timeout=20 s; STOP_RANK SIGSTOPs itself
     python -m tests.distributed.fault_worker mismatch                          # Trainer(devices=2) under a bigger launch
-    python -m tests.distributed.fault_worker launcher PID_DIR rank0_dies|rendezvous   # Lightning's own launcher
+    python -m tests.distributed.fault_worker launcher PID_DIR rank0_dies|rendezvous|child_freezes   # Lightning's own launcher
 
 Every process writes ``OUT_DIR/rank{r}.pt`` (resume) or touches ``CKPT_DIR/killed`` before it kills itself.
 """
@@ -42,7 +42,7 @@ def save(ckpt_dir: str, phase: str, kill_rank: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     import meshkit
-    from meshkit.plugins import checkpointing
+    from meshkit.plugins.checkpoint import sharded
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     seen: list[str] = []
@@ -54,23 +54,25 @@ def save(ckpt_dir: str, phase: str, kill_rank: str) -> None:
             Path(ckpt_dir, "killed").touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    checkpointing._fault_hook = hook
+    sharded._fault_hook = hook
     ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=2, save_last=True)
     strategy = meshkit.NDParallelStrategy(dp_shard=world, tp=1, timeout=timedelta(seconds=30))
     trainer = _trainer(strategy, max_steps=4, callbacks=[ckpt])
     trainer.fit(T.build_module("mha"), _data(4, world))
 
 
-def resume(ckpt_path: str, out_dir: str, layers: str = "4") -> None:
-    """Restore ``ckpt_path`` into a fresh module (another seed) without training; write params + step or the error."""
+def resume(ckpt_path: str, out_dir: str, layers: str = "4", verify: str = "verified") -> None:
+    """Restore ``ckpt_path`` into a fresh module (another seed) without training; write params + step or the error.
+    ``verify="unverified"``: the strategy's ``allow_unverified=True`` (a folder without its manifest)."""
     import meshkit
     from meshkit.models.llama import LlamaConfig, LlamaLM
 
     world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(123)  # another init: everything must come from the checkpoint
     module = LlamaLM(LlamaConfig.tiny(vocab_size=T.VOCAB, n_kv_heads=4, n_layers=int(layers)), lr=0.5, optimizer="sgd")
-    trainer = _trainer(meshkit.NDParallelStrategy(dp_shard=world, tp=1, timeout=timedelta(seconds=30)),
-                       max_steps=2, enable_checkpointing=False)
+    strategy = meshkit.NDParallelStrategy(dp_shard=world, tp=1, timeout=timedelta(seconds=30),
+                                          allow_unverified=verify == "unverified")
+    trainer = _trainer(strategy, max_steps=2, enable_checkpointing=False)
     try:
         trainer.fit(module, _data(2, world), ckpt_path=ckpt_path)
     except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
@@ -118,7 +120,8 @@ def mismatch() -> None:
 
 
 def launcher(pid_dir: str, what: str) -> None:
-    """Lightning's own launcher (no torchrun environment): ``rank0_dies`` or ``rendezvous`` (num_nodes=2, one node)."""
+    """Lightning's own launcher (no torchrun environment): ``rank0_dies``, ``rendezvous`` (num_nodes=2, one node) or
+    ``child_freezes`` (rank 1, rank 0's child, SIGSTOPs itself; timeout=10 s)."""
     import lightning as L
 
     import meshkit
@@ -128,12 +131,15 @@ def launcher(pid_dir: str, what: str) -> None:
             Path(pid_dir, f"rank{trainer.global_rank}").write_text(str(os.getpid()))
 
         def on_train_batch_start(self, trainer, pl_module, batch, idx):
-            if idx == 2 and trainer.global_rank == 0:
+            if idx == 2 and trainer.global_rank == 0 and what == "rank0_dies":
                 Path(pid_dir, "rank0_killed").touch()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if idx == 2 and trainer.global_rank == 1 and what == "child_freezes":
+                Path(pid_dir, "rank1_frozen").touch()
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     nodes = 2 if what == "rendezvous" else 1
-    timeout = timedelta(seconds=10) if what == "rendezvous" else timedelta(minutes=30)
+    timeout = timedelta(seconds=10) if what in ("rendezvous", "child_freezes") else timedelta(minutes=30)
     trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=nodes, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, max_steps=1000, callbacks=[Pids()],
                         strategy=meshkit.NDParallelStrategy(dp_replicate=1, dp_shard=2 * nodes, tp=1, timeout=timeout))

@@ -22,10 +22,11 @@ from tests.distributed import training as T
 
 LR = 2.0
 """Large on purpose: after a few steps a wrong gradient moves parameters visibly."""
-FAMILY_DTYPE = {"olmo2": torch.float64}
-"""OLMo2's full-width q/k norms amplify rounding: in fp32 and ONE process, only splitting each step's batch into
-4 micro-batches (the same sum) gives an update error of 1.3e-2 at lr 2 (4.5e-4 at lr 0.5, yet 5.8e-3 under
-hsdp_tp there). In float64 the comparison measures the layout, not the rounding."""
+DTYPE = torch.float64
+"""Every family trains in float64: the matrix measures the layout, not the rounding. In float32 the rounding of a
+few steps at lr 2 is itself of the order of the limit: OLMo2's full-width q/k norms gave 1.3e-2 in ONE process from
+splitting each step's batch into 4 micro-batches alone, and qwen3's q_norm under tp_pp failed 3.2e-3 > 1e-3 on a
+clean venv (5.4e-4 on another run) -- a flaky limit, not a layout bug."""
 
 
 _COMMON = dict(
@@ -45,13 +46,32 @@ def _config(family: str, overrides: dict | None = None) -> Any:
         "qwen2": lambda: tf.Qwen2Config(**_COMMON, tie_word_embeddings=True),  # q/k/v biases, tied (0.5-3B)
         "qwen3": lambda: tf.Qwen3Config(**_COMMON, head_dim=8, tie_word_embeddings=False),  # per-head q/k norms
         "gemma": lambda: tf.GemmaConfig(**_COMMON, head_dim=8),  # tied by default
+        # Not in FAMILIES: pipeline cells of head-side work the stages must keep (tied by default, so tp_pp unties).
+        "cohere": lambda: tf.CohereConfig(**_COMMON, logit_scale=0.25),  # logits * logit_scale after lm_head
+        "gemma2": lambda: tf.Gemma2Config(**_COMMON, head_dim=8, final_logit_softcapping=1.0),  # final soft-cap
         "mistral": lambda: tf.MistralConfig(**_COMMON),
         "gpt2": lambda: tf.GPT2Config(vocab_size=T.VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=None, eos_token_id=None),
         "phi3": lambda: tf.Phi3Config(**_COMMON),  # fused qkv_proj, gate_up_proj
         "olmo2": lambda: tf.Olmo2Config(**_COMMON),  # full-width q_norm / k_norm
+        # Not in the matrix (FAMILIES): the TP checks' cases. StableLM views q with the config's global head count,
+        # and with qk_layernorm holds one LayerNorm per head in a ModuleList (test_tp_checks.py, test_tp_sp.py).
+        "stablelm": lambda: tf.StableLmConfig(**_COMMON, qk_layernorm=True),
+        "stablelm_noqk": lambda: tf.StableLmConfig(**_COMMON, qk_layernorm=False),
     }
-    config = configs[family]()
-    config._attn_implementation = "sdpa"
+    if family.startswith(AUTO):  # benchmarks/family_sweep.py: any registered causal LM, its tiny twin config
+        from meshkit.families import tiny_config
+
+        config = tiny_config(tf.AutoConfig.for_model(family[len(AUTO):]))
+        config.vocab_size = T.VOCAB
+        config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        sdpa = getattr(tf.AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False)
+    else:
+        config, sdpa = configs[family](), True
+    if family in EAGER or not sdpa:  # the eager families (and auto ones without sdpa): eager math in float64
+        _register_eager_float64()
+        config._attn_implementation = "eager_float64"
+    else:
+        config._attn_implementation = "sdpa"
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
@@ -59,6 +79,49 @@ def _config(family: str, overrides: dict | None = None) -> Any:
             setattr(config, key, 0.0)
     return config
 
+
+AUTO = "auto:"
+"""``"auto:<model_type>"``: the tiny config of any causal LM transformers registers (meshkit.families.tiny_config,
+eager attention, the test vocabulary), as the family sweep builds it."""
+
+EAGER = ("gemma2",)
+"""Families transformers runs with eager attention only (Gemma2: the attention logit soft-cap). Their cells run
+:func:`_eager_float64` (registered as "eager_float64"): transformers' eager attention takes its softmax in float32,
+whose rounding, amplified by lr 2, is 1e-4 of an update against cp's float64 attention."""
+
+
+def _eager_float64(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
+                   softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention (GQA, soft-cap, additive or boolean mask), all in the inputs' dtype; any other
+    argument with a value (sinks, a position bias, ...) raises: this is no family's math."""
+    from meshkit.plugins.context_parallel.integration import _HF_NO_ATTENTION_MATH
+
+    for name, given in kwargs.items():
+        if name not in _HF_NO_ATTENTION_MATH | {"sliding_window"} and given is not None and given is not False:
+            raise NotImplementedError(f"hf_models._eager_float64 does not implement `{name}`")
+    n_rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)  # (B, H, S, D)
+    scores = query @ k.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : k.shape[-2]]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    elif getattr(module, "is_causal", True):  # transformers builds no mask for a causal unpadded batch here
+        t, s = scores.shape[-2:]
+        hidden = torch.ones(t, s, dtype=torch.bool).triu(s - t + 1)
+        if kwargs.get("sliding_window") is not None:  # and the window: keys more than window-1 tokens back
+            hidden |= torch.ones(t, s, dtype=torch.bool).tril(s - t - kwargs["sliding_window"])
+        scores = scores.masked_fill(hidden, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return (weights @ v).transpose(1, 2).contiguous(), weights  # (B, T, H, D)
+
+
+def _register_eager_float64() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("eager_float64", _eager_float64)
 
 FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "mistral", "gpt2", "phi3", "olmo2")
 
@@ -122,16 +185,42 @@ def dataset(rows: torch.Tensor, loss_form: str) -> Any:
     return IdsDicts(rows) if loss_form == "hf_ids" else rows
 
 
-def build(family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None) -> CausalLM:
+def _norm_in_float64(module: torch.nn.Module) -> None:
+    """Gemma2's RMSNorm computes in float32 inside the float64 model (x.float()); its rounding, amplified by lr 2
+    through the soft-capped head, is 2e-5..7e-4 of an update under tp_pp (7e-7 even under fsdp2), so its cells run
+    the same formula in the model's dtype: 5e-14 under pp, 3e-9 under tp_pp (eager attention's float32 softmax)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    class Float64Gemma2RMSNorm(Gemma2RMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+    for m in module.modules():
+        if type(m) is Gemma2RMSNorm:
+            m.__class__ = Float64Gemma2RMSNorm
+
+
+def build(
+    family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None, dtype: torch.dtype = DTYPE
+) -> CausalLM:
     torch.manual_seed(seed)
-    return CausalLM(family, loss_form=loss_form, overrides=overrides).to(FAMILY_DTYPE.get(family, torch.float32))
+    module = CausalLM(family, loss_form=loss_form, overrides=overrides).to(dtype)
+    if family == "gemma2":
+        _norm_in_float64(module)
+    return module
 
 
 def reference(
-    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce", overrides: dict | None = None
+    family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce", overrides: dict | None = None,
+    dtype: torch.dtype = DTYPE, fused_kernels: bool = False,
 ) -> tuple[list[float], dict, dict]:
-    """One process, each step's global batch: (losses, initial parameters, final parameters)."""
-    module = build(family, loss_form=loss_form, overrides=overrides)
+    """One process, each step's global batch: (losses, initial parameters, final parameters). ``fused_kernels``
+    patches the model as the strategy's option does (meshkit.integrations.apply_fused_kernels)."""
+    module = build(family, loss_form=loss_form, overrides=overrides, dtype=dtype)
+    if fused_kernels:
+        from meshkit.integrations import apply_fused_kernels
+
+        apply_fused_kernels(module.model)
     init = {n: p.detach().clone() for n, p in module.named_parameters()}
     opt = module.configure_optimizers()
     data = T.tokens(steps * T.PER_RANK_BATCH * world)
@@ -165,9 +254,11 @@ def _tp_replica_spread(module: torch.nn.Module, tp_mesh: Any) -> dict[str, float
 
 
 def fit(
-    rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce", overrides: dict | None = None
+    rank: int, world: int, family: str, strategy: dict, steps: int, loss_form: str = "ce", overrides: dict | None = None,
+    callbacks: list | None = None, dtype: torch.dtype = DTYPE,
 ) -> dict[str, Any]:
     """Fit ``steps`` steps under ``NDParallelStrategy(**strategy)``: losses, full parameters, tp spread.
+    ``callbacks`` are added to the Trainer's (the caller reads what they record).
 
     Under pp each rank returns the parameters of its own stages (merge them with :func:`merged_params`)."""
     import lightning as L
@@ -176,12 +267,12 @@ def fit(
     import meshkit
 
     T.launcher_env(rank, world)
-    module = build(family, loss_form=loss_form, overrides=overrides)
+    module = build(family, loss_form=loss_form, overrides=overrides, dtype=dtype)
     recorder = T.LossRecorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=meshkit.NDParallelStrategy(**strategy), max_steps=steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[recorder, *(callbacks or [])],
     )
     rows = T.tokens(steps * T.PER_RANK_BATCH * world)
     trainer.fit(module, DataLoader(dataset(rows, loss_form), batch_size=T.PER_RANK_BATCH))
@@ -213,6 +304,18 @@ def suggested_plan(error: str) -> dict[str, str]:
     found = re.search(r"tp_plan=(\{[^}]*\})\)", error)
     assert found, error
     return ast.literal_eval(found.group(1))
+
+
+def suggested_config(error: str) -> dict[str, Any]:
+    """The config change a refusal names (```config.KEY=VALUE``` or ```config.KEY = [...] * N```), as overrides."""
+    import ast
+    import re
+
+    found = re.search(r"`config\.(\w+) ?= ?([^`]+)`", error)
+    assert found, error
+    key, value = found.group(1), found.group(2).strip()
+    repeated = re.fullmatch(r"(\[.*\]) \* (\d+)", value)
+    return {key: ast.literal_eval(repeated.group(1)) * int(repeated.group(2)) if repeated else ast.literal_eval(value)}
 
 
 def merged_params(results: list[dict]) -> dict[str, torch.Tensor]:

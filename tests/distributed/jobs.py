@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = "tests.distributed.fault_worker"
 # What a fault rank imports (the worker's own lazy imports included): loaded once, in the server.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.utils.data", "lightning", "lightning.pytorch.callbacks",
-           "meshkit", "meshkit.plugins.strategy", "meshkit.plugins.checkpointing", "meshkit.models.llama", WORKER)
+           "meshkit", "meshkit.plugins.strategy", "meshkit.plugins.checkpoint", "meshkit.models.llama", WORKER)
 LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 SPAWN_TIMEOUT_S = 300  # the first spawn waits for the server's imports
 

@@ -39,11 +39,12 @@ def _results(out: Path, codes: list, log_dir: Path | None = None) -> list[dict]:
     return results
 
 
-def _resume(ckpt: Path, tmp: Path, layers: int = 4) -> list[dict]:
-    """A fresh 2-rank job restoring ``ckpt``; each rank's params + step, or its error."""
-    out = tmp / f"resume-{ckpt.name}-{layers}"
+def _resume(ckpt: Path, tmp: Path, layers: int = 4, verify: str = "verified") -> list[dict]:
+    """A fresh 2-rank job restoring ``ckpt``; each rank's params + step, or its error. ``verify="unverified"``:
+    the strategy's ``allow_unverified=True``."""
+    out = tmp / f"resume-{ckpt.name}-{layers}-{verify}"
     out.mkdir()
-    procs = jobs.start(WORLD, "resume", str(ckpt), str(out), str(layers), log_dir=out)
+    procs = jobs.start(WORLD, "resume", str(ckpt), str(out), str(layers), verify, log_dir=out)
     codes = jobs.wait(procs, JOB_TIMEOUT_S)
     assert all(c is not None for c in codes), f"resume hung: {codes}\n{jobs.logs(out)}"
     return _results(out, codes)
@@ -61,13 +62,13 @@ def good(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def weights(good) -> dict[int, dict[str, torch.Tensor]]:
-    from meshkit.plugins.checkpointing import consolidate_checkpoint
+    from meshkit.plugins.checkpoint import consolidate_checkpoint
 
     return {s: consolidate_checkpoint(good / f"epoch=0-step={s}.ckpt") for s in (2, 4)}
 
 
 def test_good_checkpoint_has_a_manifest(good):
-    from meshkit.plugins.checkpointing import HASH, MANIFEST, verify_checkpoint
+    from meshkit.plugins.checkpoint import HASH, MANIFEST, verify_checkpoint
 
     last = good / "last.ckpt"
     manifest = json.loads((last / MANIFEST).read_text())
@@ -132,7 +133,7 @@ def _copy(good: Path, tmp: Path, name: str) -> Path:
 
 def _rehash(ckpt: Path, name: str) -> None:
     """What a forger does: make the manifest agree with a replaced file (a CRC is no defence; the unpickler is)."""
-    from meshkit.plugins.checkpointing import MANIFEST
+    from meshkit.plugins.checkpoint import MANIFEST
 
     manifest = json.loads((ckpt / MANIFEST).read_text())
     data = (ckpt / name).read_bytes()
@@ -159,7 +160,7 @@ def test_crafted_metadata_is_refused_and_runs_nothing(good, tmp_path):
     for r in _resume(ckpt, tmp_path):
         assert r["code"] != 0 and "UnsafeCheckpointError" in r["error"] and "posix.system" in r["error"], r
     with pytest.raises(Exception, match="refused to unpickle `posix.system`"):
-        from meshkit.plugins.checkpointing import consolidate_checkpoint
+        from meshkit.plugins.checkpoint import consolidate_checkpoint
 
         consolidate_checkpoint(ckpt)
     assert not marker.exists()
@@ -168,8 +169,8 @@ def test_crafted_metadata_is_refused_and_runs_nothing(good, tmp_path):
 def test_crafted_shard_entry_is_refused_and_runs_nothing(good, tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from meshkit.plugins.checkpointing import consolidate_checkpoint
-    from meshkit.plugins.dcp_reader import read_all
+    from meshkit.plugins.checkpoint import consolidate_checkpoint
+    from meshkit.plugins.checkpoint import read_all
 
     marker = tmp_path / "pwned"
     state = read_all(good / "epoch=0-step=2.ckpt")
@@ -178,11 +179,30 @@ def test_crafted_shard_entry_is_refused_and_runs_nothing(good, tmp_path):
     ckpt = tmp_path / "crafted_shard.ckpt"
     dcp.save(state, checkpoint_id=ckpt, no_dist=True)  # no manifest: what an older meshkit wrote
     shutil.copy(good / "epoch=0-step=2.ckpt" / "meta.pt", ckpt / "meta.pt")
-    for r in _resume(ckpt, tmp_path):
+    for r in _resume(ckpt, tmp_path, verify="unverified"):  # past the missing manifest by the user's opt-in
         assert r["code"] != 0 and "UnsafeCheckpointError" in r["error"] and lr in r["error"], r
     with pytest.raises(Exception, match="refused the non-tensor entry"):
-        consolidate_checkpoint(ckpt)
+        consolidate_checkpoint(ckpt, allow_unverified=True)
     assert not marker.exists()
+
+
+def test_lost_manifest_is_refused_unless_the_strategy_allows_unverified(good, tmp_path, weights):
+    # Issue 27 item 5: with meshkit.json deleted and a tensor byte flipped the resume went on (a weight of 2.45e37).
+    ckpt = _copy(good, tmp_path, "no_manifest.ckpt")
+    (ckpt / "meshkit.json").unlink()
+    intact = _copy(good, tmp_path, "no_manifest_intact.ckpt")
+    (intact / "meshkit.json").unlink()
+    shard = ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for r in _resume(ckpt, tmp_path):
+        assert r["code"] != 0 and "CheckpointError" in r["error"], r
+        assert "has no `meshkit.json`, so none of its files can be checked" in r["error"], r
+        assert "NDParallelStrategy(allow_unverified=True)" in r["error"], r
+    for r in _resume(intact, tmp_path, verify="unverified"):  # the fix the message names
+        assert r["code"] == 0 and r["global_step"] == 2, r
+        assert all(torch.equal(t, weights[2][n]) for n, t in r["params"].items())
 
 
 def test_incomplete_folder_fails_clearly(good, tmp_path):

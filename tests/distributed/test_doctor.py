@@ -1,7 +1,7 @@
 """meshkit.Doctor in real gloo runs: one 4-rank pool as 2 simulated nodes × 2 ranks for the module.
 
 Each run is a tiny fit of a few steps; one test per finding CPU can show (tp across nodes, an
-unbalanced pp split with m < 4p, a sleeping rank, an unused parameter, identical batches on every
+unbalanced pp split with m < 2p, a sleeping rank, an unused parameter, identical batches on every
 dp rank, one FSDP unit, a changed global batch between two runs in one log dir), each asserting the
 id and the evidence, and a healthy run asserting nothing above "info"."""
 
@@ -132,7 +132,7 @@ def _sick(rank, world, root):
 def _pipeline(rank, world, root):
     import meshkit
 
-    # 8 layers cut after the first: stage 0 holds 1 block, stage 1 seven; 2 micro-batches < 4p = 8
+    # 8 layers cut after the first: stage 0 holds 1 block, stage 1 seven; 2 micro-batches < 2p = 4
     strategy = meshkit.NDParallelStrategy("pp", pp=2, pp_microbatches=2, pp_split_points=[1],
                                           pp_timeline_dir=os.path.join(root, "pp_timeline"))
     return _fit(_llama(n_layers=8), strategy, root, _tokens(2 * 6 * BATCH), steps=6)
@@ -203,7 +203,7 @@ def test_unbalanced_pp_split_and_few_microbatches(runs):
     assert f["evidence"]["slowest_stage"] == 1 and f["evidence"]["imbalance_pct"] > 20
     assert f["evidence"]["excess_pct"] > f["evidence"]["noise_floor_pct"]
     m = by["few_microbatches"]
-    assert m["evidence"]["pp"] == 2 and m["evidence"]["microbatches"] == 2 and m["evidence"]["needed"] == 8
+    assert m["evidence"]["pp"] == 2 and m["evidence"]["microbatches"] == 2 and m["evidence"]["needed"] == 4
 
 
 def test_cli_prints_the_same(runs, capsys):

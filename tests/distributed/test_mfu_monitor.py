@@ -68,11 +68,28 @@ def test_mfu_monitor_ddp_gloo(pool, tmp_path):
     for _, t, mfu, _, tps, _ in r0["history"]:
         assert mfu == pytest.approx(tokens * fpt / (t * 4 * r0["peak"]), rel=1e-9)
         assert tps == pytest.approx(tokens / t, rel=1e-9)
+    assert len({r["peak"] for r in results}) == 1  # one peak per run: rank 0 calibrates, every rank takes it
     res = analyze(r0["trace_dir"])
     assert sorted(res["ranks"]) == ["0", "1", "2", "3"] and not res["partial"], res["problems"]
+    assert res["peak_flops"] == r0["peak"] and "shared with all 4 ranks" in res["peak_source"]
     for v in res["ranks"].values():
         assert v["steps"] >= 1 and v["compute_ms"] > 0 and v["comm_ms"] > 0  # DDP's gloo all_reduce
         assert 0 <= v["overlap_pct"] <= 100
+        # the waterfall: from 100 to the MFU of the profiled steps, by hand: model FLOPs per device per step
+        # (global tokens x 6N+12LHQT / 4 ranks) x steps / (peak x their wall time)
+        w = v["waterfall"]
+        assert v["peak_flops"] == r0["peak"] and w[0] == {"part": "peak", "points": 100.0}
+        mfu = 100 * v["steps"] * tokens * fpt / 4 / (r0["peak"] * v["wall_ms"] / 1e3)
+        assert w[-1]["part"] == "achieved" and w[-1]["points"] == pytest.approx(mfu, rel=1e-5, abs=1e-6)
+        assert 100 - sum(p["points"] for p in w[1:-1]) == pytest.approx(w[-1]["points"], abs=1e-4)
+        assert all(p["points"] >= 0 for p in w[1:-3]), w  # time parts and non_matmul
+        assert sum(v["host_other_split"].values()) == pytest.approx(dict((p["part"], p["points"]) for p in w)[
+            "host_other"], abs=1e-4)
+        # plain DDP: no mesh, the world group is dp_replicate; its gloo all-reduces are all there is
+        axes = v["exposed_comm_by_axis_ms"]
+        assert list(axes) == ["dp_replicate", "dp_shard", "pp", "cp", "tp"], axes
+        assert axes["dp_replicate"] == pytest.approx(v["exposed_comm_ms"], rel=0.05) and sum(axes.values()) == \
+            pytest.approx(v["exposed_comm_ms"], rel=0.05), v
 
 
 def _windows(rank, world_size, root, budget):

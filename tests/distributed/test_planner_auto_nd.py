@@ -1,7 +1,7 @@
 """strategy="auto_nd" glue on 4 gloo processes: the planner's layout, chosen on every rank independently,
 trains the demo model and matches one process.
 
-``strategy="auto_nd"`` makes the strategy's ``_resolve`` ask :func:`meshkit.plugins.planner.auto_nd_dims`
+``strategy="auto_nd"`` makes the strategy's ``_resolve`` ask :func:`meshkit.plugins.dims.auto_nd_dims`
 instead of the preset rules.
 """
 
@@ -45,7 +45,7 @@ def _fit_auto(rank: int, world: int, devices: int, num_nodes: int) -> dict[str, 
 
 
 def test_auto_nd_layout_trains_like_one_process(pool):
-    from meshkit.plugins.planner import auto_nd_dims
+    from meshkit.plugins.dims import auto_nd_dims
 
     results = pool.run(_fit_auto, 2, 2)  # 2 simulated nodes of 2 ranks
     degrees = results[0]["degrees"]

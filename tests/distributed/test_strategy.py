@@ -200,7 +200,7 @@ def test_consolidate_checkpoint_for_export(saved_run, tmp_path):
 
 
 def test_consolidate_rejects_a_non_checkpoint(tmp_path):
-    from meshkit.plugins.checkpointing import consolidate_checkpoint
+    from meshkit.plugins.checkpoint import consolidate_checkpoint
 
     with pytest.raises(ValueError, match="not a sharded .DCP. checkpoint folder"):
         consolidate_checkpoint(tmp_path)
@@ -332,3 +332,136 @@ def test_lightning_cli_strategy_flag(pool):
     results = pool.run(_cli)
     assert results[0] == {"type": "NDParallelStrategy", "step": 2,
                           "degrees": {"dp_replicate": 1, "dp_shard": 2, "pp": 1, "cp": 1, "tp": 2}}
+
+
+# ---- the roll call among real ranks (meshkit.plugins.rendezvous, no Trainer) ---------------------------------
+
+def _roll_call(rank: int, world: int, port: int, arrive: list[int], devices: int, timeout_s: float) -> Any:
+    """``rendezvous`` on a fresh store at ``port`` by the ranks in ``arrive`` (the others never come)."""
+    from datetime import timedelta
+
+    from meshkit.plugins.rendezvous import rendezvous
+
+    if rank not in arrive:
+        return None
+    started: list[int] = []
+
+    def init_process_group() -> None:  # as torch's does on the same store: rank 0's server stays until all joined
+        import time
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, None, is_master=rank == 0, timeout=timedelta(seconds=30),
+                         wait_for_workers=False, multi_tenant=True)
+        joined = store.add("test/joined", 1)
+        while rank == 0 and joined < len(arrive):
+            time.sleep(0.01)
+            joined = store.add("test/joined", 0)
+        started.append(rank)
+
+    try:
+        rendezvous(init_process_group, address="127.0.0.1", port=port, rank=rank, devices=devices,
+                   num_nodes=world // devices, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        return {"error": str(e), "started": started}
+    return {"started": started}
+
+
+def test_roll_call_of_every_rank_starts_the_process_group(pool):
+    from tests.dist_pool import free_port
+
+    assert pool.run(_roll_call, free_port(), [0, 1, 2, 3], 4, 30) == [{"started": [r]} for r in range(4)]
+
+
+def test_roll_call_names_the_ranks_that_never_came_on_every_rank_that_did(pool):
+    # num_nodes=2 with node 1 never started: ranks 2, 3 missing; ranks 0 and 1 raise the same error, start nothing
+    from tests.dist_pool import free_port
+
+    got = pool.run(_roll_call, free_port(), [0, 1], 2, 3)
+    assert got[2:] == [None, None] and got[0] == got[1] and got[0]["started"] == []
+    assert got[0]["error"].startswith("NDParallelStrategy: the process-group rendezvous did not complete within "
+                                      "`timeout=0:00:03`: ranks 2, 3 of 4 did not join at 127.0.0.1:")
+    assert "(ranks 0, 1 did). `devices=2` × `num_nodes=2` need 4 processes" in got[0]["error"]
+    # then the whole job on another store completes: each store counts its own roll calls, so the ranks that came
+    # to the first one and those that did not agree on the second's keys (a per-process count made them differ)
+    assert pool.run(_roll_call, free_port(), [0, 1, 2, 3], 4, 30) == [{"started": [r]} for r in range(4)]
+
+
+# ---- the checkpoint functions without a Trainer (what a Fabric strategy calls) ----------------------------
+
+def _plain_save_then_load(rank: int, world: int, root: str) -> dict:
+    """Save at dp_shard=4 with meshkit.plugins.checkpoint's functions alone, load at dp_shard=2 x tp=2."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from meshkit.models.llama import LlamaConfig, Transformer
+    from meshkit.plugins import checkpoint as ckpt
+    from meshkit.plugins.dims import ParallelDims
+    from meshkit.plugins.parallelize import parallelize
+
+    def build(seed: int, **sizes: int) -> tuple:
+        torch.manual_seed(seed)
+        dims = ParallelDims(**sizes, world_size=world)
+        dims.build_mesh("cpu")
+        net = parallelize(Transformer(LlamaConfig.tiny(vocab_size=T.VOCAB, n_kv_heads=4)), dims)
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+    net, opt = build(0, dp_shard=4)
+    net(T.tokens(2)[:, :-1]).float().pow(2).mean().backward()
+    opt.step()  # optimizer state to save
+    path = os.path.join(root, "plain.ckpt")
+    ckpt.save_checkpoint(path, get_model_state_dict(net), [ckpt.flat_optimizer_state(net, opt)], {"step": 1},
+                         tied=ckpt.tied_aliases(net))
+    saved = T.full_params(net)
+    fresh, fresh_opt = build(1, dp_shard=2, tp=2)
+    meta = ckpt.load_checkpoint(path, fresh, [fresh_opt])
+    got = T.full_params(fresh)
+    return {"meta": meta, "equal": sorted(n for n in saved if torch.equal(saved[n], got[n])), "names": sorted(saved),
+            "steps": sorted({int(s["step"]) for s in fresh_opt.state.values()})}
+
+
+def test_checkpoint_functions_save_and_reshard_without_a_trainer(pool, tmp_path):
+    got = pool.run(_plain_save_then_load, str(tmp_path))  # one machine: every rank sees tmp_path
+    assert got[0]["meta"] == {"step": 1, "meshkit_tied_weights": {}}
+    for r in got:
+        assert r["equal"] == r["names"] and r["steps"] == [1], r
+
+
+def _mesh_groups(rank: int, world: int, timeout_s: int) -> dict:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from meshkit.plugins.dims import AXES, ParallelDims
+
+    before = set(c10d._world.pg_map)
+    dims = ParallelDims(dp_shard=2, tp=2, world_size=world)
+    dims.build_mesh("cpu", timeout=timedelta(seconds=timeout_s))  # a timeout no other test uses: a new mesh
+    made = set(c10d._world.pg_map) - before
+    axes = {a: dims.submesh(a) for a in AXES + ("dp", "dp_shard_cp", "dp_cp")}
+    axes.update({a: dims.mesh[a] for a in ("data_parallel", "tensor_parallel")})
+    sums = {}
+    for name, mesh in axes.items():  # each axis's group reduces over exactly that axis's ranks
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=mesh.get_group())
+        sums[name] = (x.item(), float(sum(mesh.mesh.flatten().tolist())))
+    cpu = torch.device("cpu")
+    default_device = c10d._get_default_group()._get_backend(cpu).options._devices[0]
+    shares = {a: m.get_group()._get_backend(cpu).options._devices[0] is default_device for a, m in axes.items()}
+    return {"made": len(made), "sums": sums, "shares_default_device": shares,
+            "timeouts": {a: m.get_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                         for a, m in axes.items()}}
+
+
+def test_mesh_makes_one_group_per_rank_set(pool):
+    # dp_shard=2 x tp=2: every axis is in the mesh and dp, dp_shard_cp, dp_cp, data_parallel span dp_shard's ranks,
+    # so 3 rank sets (this rank alone, its dp_shard pair, its tp pair) need 3 groups; torch made 10 (each gloo group's
+    # event loop wakes every 10 ms, idle or not: issue 28's step-time regression).
+    for r in pool.run(_mesh_groups, 77):
+        assert r["made"] == 3, r
+        assert all(got == want for got, want in r["sums"].values()), r["sums"]
+        assert set(r["timeouts"].values()) == {77.0}, r["timeouts"]  # Lightning's names get `timeout=` too
+        # the one-rank group (dp_replicate, pp, cp) runs on the default group's gloo device: no event loop of its
+        # own; the 2-rank groups connect, on their own devices
+        shared = {a for a, same in r["shares_default_device"].items() if same}
+        assert shared == {"dp_replicate", "pp", "cp"}, r["shares_default_device"]

@@ -86,7 +86,8 @@ def step_batches(num_samples: int, dp: int, steps: int, per_rank: int = PER_RANK
 
 
 def reference(
-    kind: str, steps: int, dp: int, *, clip: float | None = None, accumulate: int = 1, world: int = 4
+    kind: str, steps: int, dp: int, *, clip: float | None = None, accumulate: int = 1, world: int = 4,
+    clip_value: float | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same model, data and optimizer in one process, fed each step's global batch.
 
@@ -105,6 +106,8 @@ def reference(
             losses.append(loss.item())
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(module.parameters(), clip_value)
         opt.step()
     return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
 

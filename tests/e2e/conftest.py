@@ -1,4 +1,5 @@
-"""Shared by tests/e2e/test_tensorboard*.py: one small MFUMonitor run and one TensorBoard serving it.
+"""Shared by tests/e2e/test_tensorboard*.py: one small MFUMonitor run and one TensorBoard serving it; shared by
+test_readme.py and test_console.py: one ``meshkit demo`` run as a user starts it (``demo_run``).
 
 Both are session-scoped so the HTTP test and the browser test pay for one training run and one
 TensorBoard start between them. TensorBoard listens on a free 127.0.0.1 port and is killed at the
@@ -8,12 +9,14 @@ end of the session; every wait is bounded.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.parse
 import urllib.request
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -81,3 +84,22 @@ def tensorboard_port(tb_run):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+DEMO_STEPS = 12
+"""README's `meshkit demo` at 12 steps instead of 40: one profiler window (steps 5-6), ~60 s on 2 busy cores."""
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``meshkit demo --steps 12`` in a fresh folder, as a user's shell runs it: (cwd, console, seconds).
+    ``console`` is stdout and stderr interleaved as a terminal shows them."""
+    cwd = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONWARNINGS")}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    start = time.monotonic()
+    proc = subprocess.run(["meshkit", "demo", "--steps", str(DEMO_STEPS)], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, f"meshkit demo exited {proc.returncode}:\n{proc.stdout[-4000:]}"
+    return SimpleNamespace(cwd=str(cwd), console=proc.stdout, seconds=seconds)

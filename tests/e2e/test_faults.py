@@ -33,6 +33,11 @@ def test_frozen_rank_makes_every_other_rank_exit_within_60s(tmp_path):
     assert elapsed < 60, elapsed
     text = jobs.logs(tmp_path)
     assert "timed out after `timeout=0:00:20`" in text and "on group `" in text, text
+    for r in range(3):  # issue 27 item 9: the note names the rank that froze, on every rank that timed out
+        log = (tmp_path / f"rank{r}.log").read_text()
+        assert "rank 3 stopped responding (no heartbeat for 3 s" in log, log
+        # "the stopped process stays behind": meshkit cannot end another node's process; the note says who does
+        assert "meshkit ends no other rank's process (it may run on another node): the launcher ends it (" in log, log
 
 
 def test_launcher_mismatch_fails_clearly_on_every_rank(tmp_path):
@@ -61,6 +66,30 @@ def test_dead_rank0_under_lightnings_launcher_takes_the_others_down(tmp_path):
             import signal
 
             os.kill(int((tmp_path / "rank1").read_text()), signal.SIGKILL)
+
+
+def test_a_frozen_child_of_lightnings_launcher_does_not_stay_behind(tmp_path):
+    # Issue 27 item 9, "the stopped process stays behind": rank 1 (rank 0's child) froze; rank 0 timed out and
+    # exited, and with it Lightning's child observer (it ends children that fail, not ones that stop): rank 1 stayed,
+    # stopped, for good. Rank 0 ends the child it started that stopped responding, and its note says so.
+    proc = jobs.start_plain("launcher", str(tmp_path), "child_freezes", log_dir=tmp_path)
+    child = None
+    try:
+        codes = jobs.wait([proc], 240)
+        text = jobs.logs(tmp_path)
+        assert (tmp_path / "rank1_frozen").exists(), text
+        child = int((tmp_path / "rank1").read_text())
+        assert codes[0] not in (None, 0), (codes, text)
+        assert not jobs.alive(child), f"rank 1 (pid {child}) stayed behind, stopped\n{text}"
+        assert "rank 1 stopped responding (no heartbeat for 3 s" in text, text
+        assert f"This process ended rank 1 (pid {child}), which it had started." in text, text
+    finally:
+        jobs.kill([proc])
+        if child is not None and jobs.alive(child):
+            import os
+            import signal
+
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("what", ["rendezvous"])

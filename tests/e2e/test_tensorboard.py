@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 
 import pytest
 
@@ -30,9 +32,13 @@ def test_tensorboard_serves_everything(tensorboard_port):
         assert name in plugins, sorted(plugins)
     tags = tb_get(port, "/data/plugin/scalars/tags")
     run = next(iter(tags))
-    for tag in (R.MFU_TAG, R.HFU_TAG, "mfu/tokens_per_s", R.breakdown_tag("compute"), R.points_lost_tag("other"),
+    for tag in (R.MFU_TAG, R.HFU_TAG, "MFU_details/tokens_per_s", R.breakdown_tag("compute"), R.points_lost_tag("other"),
                 R.window_tag("mfu_pct")):
         assert tag in tags[run], sorted(tags[run])
+    # one MFU group: TIME SERIES groups tags by the part before the first "/"; no two differ only in case
+    # (issue 26 saw an `MFU` and an `mfu` group)
+    groups = {t.split("/")[0] for t in tags[run]}
+    assert len({g.lower() for g in groups}) == len(groups), sorted(groups)
     series = tb_get(port, "/data/plugin/scalars/scalars", run=run, tag=R.MFU_TAG)
     assert series and all(0 < point[2] < 100 for point in series)
     for p in R.BREAKDOWN_PARTS:  # percent of the step
@@ -62,7 +68,7 @@ def test_analyze_cli_reads_the_run(tb_run):
 
 def test_table_waterfall_and_scalars_show_the_same_window(tb_run):
     """Read the event file back: the window's markdown table, its waterfall image and its
-    ``mfu/window/*`` scalars (percent) carry the same numbers (the image is compared with a re-rendering
+    ``MFU_details/window/*`` scalars (percent) carry the same numbers (the image is compared with a re-rendering
     of the scalars; a breakdown moved by 5 points renders differently)."""
     import io
     import re
@@ -87,12 +93,67 @@ def test_table_waterfall_and_scalars_show_the_same_window(tb_run):
         assert m and float(m.group(1)) == pytest.approx(pct[p], abs=0.006), (p, text)
     assert f"**{mfu_pct:.2f} %**" in text
     title = text.splitlines()[0].strip("*")
-    fractions, mfu = {p: v / 100 for p, v in pct.items()}, mfu_pct / 100
     (img_event,) = [e for e in acc.Images(R.WATERFALL_TAG) if e.step == step]
     img = np.asarray(Image.open(io.BytesIO(img_event.encoded_image_string)).convert("RGB")).astype(int)
-    same = R.waterfall_image(fractions, mfu, title).astype(int)
-    moved = dict(fractions, compute=fractions["compute"] - 0.05, other=fractions["other"] + 0.05)
-    other = R.waterfall_image(moved, mfu, title).astype(int)
+    parts = ("peak", *R.WATERFALL_PARTS, "achieved")
+    points = [{"part": p, "points": scal[R.waterfall_tag(p)][step]} for p in parts]
+    assert points[-1]["points"] == pytest.approx(mfu_pct, abs=1e-4)  # the waterfall ends at the window's MFU
+    assert 100 - sum(p["points"] for p in points[1:-1]) == pytest.approx(mfu_pct, abs=1e-3)
+    same = R.waterfall_image(points, title).astype(int)
+    moved = [dict(p, points=p["points"] + (5 if p["part"] == "host_other" else -5 if p["part"] == "non_matmul"
+                                           else 0)) for p in points]
+    other = R.waterfall_image(moved, title).astype(int)
     assert img.shape == same.shape
     assert np.abs(img - same).mean() < 0.5 < np.abs(img - other).mean()
     assert "peak FLOP/s: measured" in text  # the CPU peak says where it comes from
+
+
+def test_pytorch_profiler_tab_lists_the_run_and_serves_its_trace(tensorboard_port, tb_run):
+    """`pip install meshkit[tb-profiler]` (in the test extra): TensorBoard's PyTorch Profiler tab finds the traces
+    MFUMonitor keeps under <log_dir>/profiler (one run, a worker per rank named from `rank{R}.{batch}.pt.trace.json`)
+    and serves each view and the raw trace its Trace view draws."""
+    import gzip
+
+    root, log_dir = tb_run
+    run = os.path.relpath(os.path.join(log_dir, "profiler"), str(root))
+    base = "/data/plugin/pytorch_profiler"
+    assert tb_get(tensorboard_port, "/data/plugins_listing")["pytorch_profiler"]["enabled"]
+    wait_for(lambda: run in tb_get(tensorboard_port, f"{base}/runs")["runs"], 90, "the profiler tab's run")
+    views = wait_for(lambda: tb_get(tensorboard_port, f"{base}/views", run=run), 60, "the profiler tab's views")
+    assert {"Overview", "Operator", "Trace"} <= set(views), views
+    # a worker per rank that left a trace file (README: "the workers rank0 to rank3" for the 4-rank demo)
+    ranks = sorted({f.split(".")[0] for f in os.listdir(os.path.join(log_dir, "profiler")) if f.endswith(".pt.trace.json")})
+    assert ranks and tb_get(tensorboard_port, f"{base}/workers", run=run, view="Overview") == ranks
+    (span,) = tb_get(tensorboard_port, f"{base}/spans", run=run, worker="rank0")
+    url = f"http://127.0.0.1:{tensorboard_port}{base}/trace?" + urllib.parse.urlencode(
+        dict(run=run, worker="rank0", span=span))
+    with urllib.request.urlopen(url, timeout=30) as r:
+        trace = json.loads(gzip.decompress(r.read()))
+    assert any(e.get("name", "").startswith("ProfilerStep#") for e in trace["traceEvents"])
+
+
+# the README's offline statement for the tab, in one table: page the plugin serves -> the scripts it loads from
+# outside this TensorBoard (its charts: Google Charts; its Trace view's iframe: the web-components polyfill)
+PROFILER_TAB_EXTERNAL_SCRIPTS = {
+    "index.html": {"https://www.gstatic.com/charts/loader.js"},
+    "trace_embedding.html": {"https://cdnjs.cloudflare.com/ajax/libs/webcomponentsjs/0.7.24/webcomponents.min.js"},
+    "trace_viewer_full.html": set(),  # the trace viewer itself is vendored; it needs the polyfill above
+}
+
+
+def test_pytorch_profiler_tab_pages_load_only_the_scripts_the_readme_names(tensorboard_port):
+    """README: offline the tab draws nothing beyond its left pane, because its pages load Google Charts from
+    www.gstatic.com and (Trace view) a polyfill from cdnjs.cloudflare.com. Read from the pages TensorBoard serves:
+    a plugin release that vendors them, or loads more, fails here, and the README's sentence is revised with it."""
+    import re
+
+    base = f"http://127.0.0.1:{tensorboard_port}/data/plugin/pytorch_profiler"
+    readme = " ".join(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().split())
+    for page, wanted in PROFILER_TAB_EXTERNAL_SCRIPTS.items():
+        with urllib.request.urlopen(f"{base}/{page}", timeout=30) as r:
+            html = r.read().decode("utf-8", "replace")
+        external = set(re.findall(r"<script[^>]*\bsrc=[\"']?(https?://[^\"' >]+)", html))
+        assert external == wanted, (page, external)
+        for url in wanted:
+            assert urllib.parse.urlparse(url).hostname in readme, (url, "not named in README.md")
+    assert "loading spinner that never ends" in readme and "chrome://chrome-urls" in readme

@@ -289,3 +289,24 @@ def test_first_screen_shows_where_the_mfu_went(browser, tensorboard_port, tb_run
         os.makedirs(dest, exist_ok=True)
         for png in sorted(shots.iterdir()):
             shutil.copy(png, dest)
+
+
+def test_pytorch_profiler_tab_opens_on_the_run_offline(browser, tensorboard_port, tb_run, tmp_path):
+    """The PYTORCH_PROFILER tab (meshkit[tb-profiler], in the test extra) opens on the run's profiler windows with
+    nothing beyond 127.0.0.1 reachable: the run, its views (Trace among them) and a worker per rank are listed from
+    the traces. Its charts are not drawn offline: the plugin loads Google Charts (www.gstatic.com) for them and a
+    web-components polyfill (cdnjs) for its Trace view; README says so and names Perfetto and chrome://tracing for
+    offline use (tests/e2e/test_tensorboard.py: those are the only external scripts, and the trace is served)."""
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    root, log_dir = tb_run
+    run = os.path.relpath(os.path.join(log_dir, "profiler"), str(root))  # "demo/version_0/profiler"
+    browser.goto(f"http://127.0.0.1:{tensorboard_port}/#pytorch_profiler")
+    wanted = {run, "Views", "Overview", "Workers", "rank0"}
+    wait_for(lambda: wanted <= _texts(browser), 120, "the profiler tab's run, views and workers", every_s=0.5)
+    time.sleep(1.0)
+    browser.screenshot(str(shots / "6_pytorch_profiler.png"))
+    out = os.environ.get("MESHKIT_ARTIFACTS")
+    if out:
+        os.makedirs(os.path.join(out, "tensorboard"), exist_ok=True)
+        shutil.copy(shots / "6_pytorch_profiler.png", os.path.join(out, "tensorboard"))

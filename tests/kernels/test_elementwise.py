@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,11 @@ def _rms_formula(x, w, eps):  # plain autograd in fp32, written from the definit
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rms_norm(dtype, shape):
+    _check_rms_norm(dtype, shape)
+
+
+def _check_rms_norm(dtype, shape):
+    """Triton (interpreter) == the torch reference == the formula, forward and backward."""
     x, = _inputs(shape, dtype, 1)
     w = 1 + 0.1 * _inputs(shape[-1:], dtype, 1, seed=7)[0]
     fn = lambda x, w: rms_norm(x, w, 1e-5)  # noqa: E731
@@ -48,6 +55,61 @@ def test_add_rms_norm(dtype, shape):
     with kernel_backend("reference"):
         unfused = forward_backward(lambda x, r, w: (rms_norm(x + r, w, 1e-6), x + r), [x, r, w])
     assert_close(ref, unfused, TOL[dtype], "fused vs unfused")
+
+
+class _LaunchSpy:
+    """Stands in for a ``@triton.jit`` kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+# Rows wider than one backward program holds (rms_norm._ROW_BLOCK_MAX = 4096): the column-split backward, in
+# 1024-column tiles; 8200 ends in a partial tile of 8 columns.
+WIDE_SHAPES = [(3, 8200), (2, 16384)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", WIDE_SHAPES)
+def test_rms_norm_wide_rows_take_the_column_split_backward(dtype, shape, monkeypatch):
+    rn = importlib.import_module("meshkit.kernels.rms_norm")  # the module (meshkit.kernels.rms_norm: the function)
+
+    spies = {name: _LaunchSpy(getattr(rn, name)) for name in
+             ("_rms_norm_bwd_kernel", "_rms_norm_bwd_dot_kernel", "_rms_norm_bwd_cols_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(rn, name, spy)
+    _check_rms_norm(dtype, shape)
+    rows, n = shape
+    tiles = -(-n // rn._COL_BLOCK)
+    assert spies["_rms_norm_bwd_kernel"].grids == []
+    assert spies["_rms_norm_bwd_dot_kernel"].grids == [(rows,)]
+    (grid,) = spies["_rms_norm_bwd_cols_kernel"].grids
+    assert grid[1] == tiles and grid[0] * tiles >= 4 > (grid[0] - 1) * tiles  # about num_programs (4 on CPU)
+
+
+def test_add_rms_norm_wide_rows_column_split_with_the_residual_gradient():
+    x, r = _inputs(WIDE_SHAPES[0], torch.float32, 2)
+    w = 1 + 0.1 * _inputs(WIDE_SHAPES[0][-1:], torch.float32, 1, seed=7)[0]
+    fn = lambda x, r, w: add_rms_norm(x, r, w, 1e-6)  # noqa: E731
+    tri, ref = triton_and_reference(fn, [x, r, w])
+    assert_close(tri, ref, TOL[torch.float32], "triton vs reference")
+
+
+def test_rms_norm_backward_launch_by_hidden():
+    """Whole rows up to 4096 columns; above, the same two column-tiled launches whatever the hidden, so their
+    registers do not grow with it (tests/kernels/test_patching.py compiles that launch and holds the bar)."""
+    rn = importlib.import_module("meshkit.kernels.rms_norm")  # the module (meshkit.kernels.rms_norm: the function)
+
+    for n in (64, 123, 3000, 4096):
+        assert rn._bwd_launch(n) == {"rows": rn._launch(n)}, n
+    wide = rn._bwd_launch(4097)
+    assert set(wide) == {"dot", "cols"} and wide["cols"] == {"BLOCK_N": 1024, "num_warps": 4}
+    for n in (8192, 8200, 16384, 65536, 131072):
+        assert rn._bwd_launch(n) == wide, n
 
 
 def test_rms_norm_by_hand():

@@ -13,7 +13,6 @@ import pickle
 import warnings
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -22,15 +21,15 @@ from torch import nn
 
 import meshkit
 from meshkit.models.llama import LlamaConfig, LlamaLM
-from meshkit.plugins.checkpointing import (
+from meshkit.plugins.checkpoint import (
     CheckpointError,
+    UnsafeCheckpointError,
     check_fits,
     consolidate_checkpoint,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
-from meshkit.plugins.dcp_reader import UnsafeCheckpointError
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.parallelize import ParallelConfig
 from meshkit.plugins.presets import PRESETS, check_launch, resolve_layout
@@ -48,6 +47,14 @@ def warns(pattern: str) -> tuple:
 
 def _lm(**overrides: Any) -> nn.Module:
     return LlamaLM(LlamaConfig.tiny(**overrides))
+
+
+class _WithConfigureModel(LlamaLM):  # a LightningModule that parallelizes its model itself
+    def __init__(self) -> None:
+        super().__init__(LlamaConfig.tiny())
+
+    def configure_model(self) -> None:
+        pass
 
 
 class _Flat(nn.Module):  # no repeated blocks
@@ -71,22 +78,22 @@ def _dims(**kw: Any) -> Callable:
     return lambda tmp: ParallelDims(**kw)
 
 
+def _dims_call(kw: dict, method: str, *args: Any) -> Callable:
+    return lambda tmp: getattr(ParallelDims(**kw), method)(*args)
+
+
 def _launch(devices: int, nodes: int, env: dict, initialized: int | None = None) -> Callable:
     return lambda tmp: check_launch(devices, nodes, env, initialized)
 
 
 # ---- checkpoints on disk (one process) --------------------------------------------------------------
-_STUB = SimpleNamespace(broadcast=lambda x: x, barrier=lambda: None, global_rank=0, world_size=1,
-                        _save_distributed_checkpoint=True)
-
-
 def _good(tmp: Path, name: str = "good.ckpt") -> Path:
     """A meshkit checkpoint written by save_checkpoint in one process: a 2-layer state and SGD-like entries."""
     torch.manual_seed(0)
     state = {"layers.0.w": torch.randn(4, 4), "layers.1.w": torch.randn(4, 4)}
     optim = {"state.layers.0.w.momentum_buffer": torch.zeros(4, 4), "param_groups.layers.0.w.lr": 0.1}
     path = tmp / name
-    save_checkpoint(_STUB, {"state_dict": state, "optimizer_states": [optim], "global_step": 3}, path)
+    save_checkpoint(path, state, [optim], {"global_step": 3})
     return path
 
 
@@ -140,6 +147,14 @@ def _metadata(obj: Any, rehash: bool = True) -> Callable[[Path], None]:
     return edit
 
 
+def _meta(obj: Any) -> Callable[[Path], None]:
+    def edit(ckpt: Path) -> None:
+        torch.save({"global_step": 1, "x": obj}, ckpt / "meta.pt")
+        _rehash(ckpt, "meta.pt")
+
+    return edit
+
+
 def _manifest(text: str) -> Callable[[Path], None]:
     return lambda ckpt: (ckpt / "meshkit.json").write_text(text)
 
@@ -152,9 +167,14 @@ def _crafted_entry(tmp: Path) -> Any:
     dcp.save(state, checkpoint_id=tmp / "crafted", no_dist=True)
     torch.save({}, tmp / "crafted" / "meta.pt")  # no manifest: what an older meshkit wrote
     try:
-        return consolidate_checkpoint(tmp / "crafted")
+        return consolidate_checkpoint(tmp / "crafted", allow_unverified=True)  # the opt-in reads; the reader refuses
     finally:
         assert not marker.exists(), "the payload ran"
+
+
+def _resume_check(ckpt: Path) -> Any:
+    """What a resume checks before any weight (no module: a load past the checks would fail otherwise)."""
+    return load_checkpoint(ckpt, None)
 
 
 def _fits(model_state: dict, strict: bool = True) -> Callable:
@@ -168,9 +188,43 @@ def _full_file(obj: Any, raw: bytes | None = None) -> Callable:
             f.write_bytes(raw)
         else:
             torch.save(obj, f)
-        return load_checkpoint(_STUB, f, None, lambda *a, **k: pytest.fail("reached Lightning's loader"))
+        # a file without a sidecar needs the opt-in; no module: reaching the loader would fail otherwise
+        return load_checkpoint(f, None, allow_unverified=True)
 
     return run
+
+
+def _entry(name: str, **change: Any) -> Callable[[Path], None]:
+    """Garble one manifest entry: ``change`` its keys (None: delete the key)."""
+    def edit(ckpt: Path) -> None:
+        manifest = json.loads((ckpt / "meshkit.json").read_text())
+        entry = manifest["files"][name]
+        for key, value in change.items():
+            entry.pop(key) if value is None else entry.__setitem__(key, value)
+        (ckpt / "meshkit.json").write_text(json.dumps(manifest))
+
+    return edit
+
+
+def _sibling(suffix: str, then: Callable[[Path], Any]) -> Callable:
+    """A save's temporary folder (``.good.ckpt.partial`` / ``.old``): a complete copy under the hidden name."""
+    def run(tmp: Path) -> Any:
+        ckpt = _good(tmp)
+        hidden = ckpt.with_name(f".{ckpt.name}{suffix}")
+        ckpt.rename(hidden)
+        return then(hidden)
+
+    return run
+
+
+def _unverified_export(tmp: Path) -> Any:
+    """consolidate --allow-unverified, then load_weights without the opt-in."""
+    from meshkit.plugins.checkpoint import load_weights
+
+    ckpt = _good(tmp)
+    (ckpt / "meshkit.json").unlink()
+    consolidate_checkpoint(ckpt, tmp / "model.pt", allow_unverified=True)
+    return load_weights(tmp / "model.pt")
 
 
 def _cli(*argv: str) -> Callable:
@@ -195,6 +249,13 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("ac_bool", _strategy(activation_checkpointing=True), raises(ValueError, r"`activation_checkpointing=True`")),
     ("cp_attention", _strategy(cp_attention="flash"), raises(ValueError, r"`cp_attention='flash'`")),
     ("cp_layout", _strategy(cp_layout="zigzag"), raises(ValueError, r"`cp_layout='zigzag'`")),
+    # -- issue 27 item 9: timeout=20 was a raw error; timeout=0 blamed ranks that were there --
+    ("timeout_int", _strategy(timeout=20),
+     raises(ValueError, r"`timeout=20` must be a positive `datetime.timedelta` .* e.g. `timeout=timedelta\(seconds=20\)`")),
+    ("timeout_0", _strategy(timeout=0), raises(ValueError, r"`timeout=0` must be .* 0 would fail every collective")),
+    ("timeout_zero_delta", _strategy(timeout=__import__("datetime").timedelta(0)),
+     raises(ValueError, r"`timeout=datetime.timedelta\(0\)` must be a positive")),
+    ("timeout_str", _strategy(timeout="20s"), raises(ValueError, r"`timeout='20s'` must be a positive")),
     # -- sizes --
     ("tp_0", _layout(tp=0), raises(ValueError, r"`tp=0` must be a positive int")),
     ("tp_neg", _layout(tp=-1), raises(ValueError, r"`tp=-1` must be a positive int")),
@@ -223,6 +284,14 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("gbs_bool", _layout(global_batch_size=True), raises(ValueError, r"`global_batch_size=True` must be a positive int")),
     ("gbs_not_divisible", _layout(preset="fsdp2", global_batch_size=6),
      raises(ValueError, r"`global_batch_size=6` is not divisible")),
+    # -- issue 27 item 4: a declared global batch against what a step trains on; loss_parallel without tp --
+    ("gbs_vs_loader", _dims_call(dict(dp_shard=4, world_size=4), "check_step_batch", 32, 2, 2),
+     raises(ValueError, r"`global_batch_size=32` but a step trains on 16 sequences: batch 2 per rank x "
+                        r"`dp_replicate\*dp_shard=4` x `accumulate_grad_batches=2`. Use a DataLoader `batch_size=4`")),
+    ("gbs_vs_loader_odd", _dims_call(dict(dp_shard=4, world_size=4), "check_step_batch", 36, 2, 2),
+     raises(ValueError, r"Use a DataLoader batch size that fits, or `global_batch_size=16`")),
+    ("loss_parallel_no_tp", _layout(preset="fsdp2", loss_parallel=True),
+     raises(ValueError, r"`loss_parallel=True` needs tensor parallelism, but `tp=1`")),
     # -- precision --
     ("precision_16", _layout(precision="16-mixed"), raises(ValueError, r"16-mixed")),
     ("precision_fp8", _layout(precision="fp8"), raises(ValueError, r"fp8")),
@@ -238,6 +307,10 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("tp_plan_style_int", _layout(tp=2, tp_plan={"model.output": 3}, model=_lm),
      raises(ValueError, r"`model.output=3` is not a ParallelStyle")),
     ("tp_plan_list", _layout(tp=2, tp_plan=["model.output"], model=_lm), raises(ValueError, r"must be a dict")),
+    # issue 27 item 2 under pp: a configure_model's model is never split into stages
+    ("pp_configure_model", _layout(preset="pp", model=_WithConfigureModel),
+     raises(ValueError, r"`pp=2` with a `configure_model` in _WithConfigureModel: meshkit cuts pipeline stages only "
+                        r"when it parallelizes the model itself.* or use `pp=1`")),
     ("tp_plan_unused", _layout(preset="fsdp2", tp_plan={"model.output": "colwise"}, model=_lm),
      warns(r"`tp_plan` is given but `tp=1`")),
     # -- legal but wasteful: warnings --
@@ -255,7 +328,13 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("launch_world_big", _launch(2, 1, {"WORLD_SIZE": "4"}), raises(ValueError, r"`WORLD_SIZE=4` processes but")),
     ("launch_world_small", _launch(2, 1, {"WORLD_SIZE": "1"}), raises(ValueError, r"`WORLD_SIZE=1` processes but")),
     ("launch_nodes", _launch(2, 2, {"WORLD_SIZE": "2"}), raises(ValueError, r"`num_nodes=2` = 4")),
-    ("launch_initialized", _launch(2, 1, {}, 4), raises(ValueError, r"`WORLD_SIZE=4` processes but")),
+    # issue 27 item 9, a stale process group: "the launcher started `WORLD_SIZE=4`" blamed a launcher that set nothing
+    ("launch_initialized", _launch(2, 1, {}, 4),
+     raises(ValueError, r"this process already holds a process group of 4 rank\(s\) \(an earlier fit's, or an "
+                        r"`init_process_group` of your own\), but the Trainer has `devices=2` × `num_nodes=1` = 2: that "
+                        r"group is stale. Call `torch.distributed.destroy_process_group\(\)` on every rank")),
+    ("launch_initialized_vs_launcher", _launch(2, 1, {"WORLD_SIZE": "2"}, 4),
+     raises(ValueError, r"holds a process group of 4 rank\(s\) .* and the launcher started `WORLD_SIZE=2`: that group is stale")),
     ("launch_local_rank", _launch(2, 1, {"LOCAL_RANK": "2"}), raises(ValueError, r"`LOCAL_RANK=2`")),
     ("launch_node_rank", _launch(2, 1, {"NODE_RANK": "1"}), raises(ValueError, r"`NODE_RANK=1`")),
     ("launch_rank", _launch(2, 2, {"RANK": "1", "LOCAL_RANK": "1", "NODE_RANK": "1"}),
@@ -277,6 +356,39 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("manifest_not_json", _damaged(_manifest("{not json")), raises(CheckpointError, r"`meshkit.json` is unreadable")),
     ("manifest_no_files", _damaged(_manifest('{"hash": "crc32"}')), raises(CheckpointError, r"is unreadable")),
     ("manifest_other_hash", _damaged(_manifest('{"hash": "md5", "files": {}}')), raises(CheckpointError, r"uses hash `md5`")),
+    # -- issue 27 item 5: a lost manifest switched every check off; 6: a garbled entry was a raw KeyError --
+    ("ckpt_no_manifest", _damaged(lambda c: (c / "meshkit.json").unlink()),
+     raises(CheckpointError, r"it has no `meshkit.json`, so none of its files can be checked .* `allow_unverified=True`")),
+    ("ckpt_no_manifest_flipped", _damaged(lambda c: [(c / "meshkit.json").unlink(), _flip(c)], _resume_check),
+     raises(CheckpointError, r"has no `meshkit.json`.*NDParallelStrategy\(allow_unverified=True\)")),
+    ("manifest_entry_no_crc32", _damaged(_entry("__0_0.distcp", crc32=None)),
+     raises(CheckpointError, r"`meshkit.json` is garbled: its entry `__0_0.distcp` has no `crc32`")),
+    ("manifest_entry_no_rank", _damaged(_entry("meta.pt", rank=None), _resume_check),
+     raises(CheckpointError, r"is garbled: its entry `meta.pt` has no `rank`")),
+    ("manifest_entry_bytes_str", _damaged(_entry(".metadata", bytes="12")),
+     raises(CheckpointError, r"entry `.metadata` has `bytes='12'`")),
+    ("manifest_entry_crc_int", _damaged(_entry(".metadata", crc32=12)), raises(CheckpointError, r"has `crc32=12`")),
+    ("manifest_entry_list", _damaged(_manifest('{"hash": "crc32", "files": {"meta.pt": [1, 2]}}')),
+     raises(CheckpointError, r"entry `meta.pt` is a list, not a dict")),
+    ("manifest_entry_path", _damaged(_manifest('{"hash": "crc32", "files": {"../x": {}}}')),
+     raises(CheckpointError, r"names the file '../x'")),
+    ("ckpt_path_partial_folder", _sibling(".partial", lambda c: load_checkpoint(c, None)),
+     raises(CheckpointError, r"`ckpt_path='.*/.good.ckpt.partial'` is meshkit's temporary unfinished copy of a save "
+                             r"to `good.ckpt`, not a checkpoint. Pass `.*/good.ckpt`")),
+    ("ckpt_path_old_folder", _sibling(".old", lambda c: load_checkpoint(c, None)),
+     raises(CheckpointError, r"temporary previous copy, kept only while it publishes")),
+    ("consolidate_partial_folder", _sibling(".partial", consolidate_checkpoint),
+     raises(CheckpointError, r"is meshkit's temporary unfinished copy of a save to `good.ckpt`")),
+    ("load_weights_no_sidecar", lambda tmp: __import__("meshkit.plugins.checkpoint", fromlist=["x"]).load_weights(
+        (torch.save({"w": torch.ones(1)}, tmp / "w.pt"), tmp / "w.pt")[1]),
+     raises(CheckpointError, r"`.*w.pt` cannot be verified: it has no `w.pt.meshkit.json`.*allow_unverified=True")),
+    ("ckpt_path_no_sidecar", lambda tmp: load_checkpoint((torch.save({"state_dict": {}}, tmp / "l.ckpt"),
+                                                          tmp / "l.ckpt")[1], None),
+     raises(CheckpointError, r"cannot be verified: it has no `l.ckpt.meshkit.json`")),
+    ("load_unverified_export", _unverified_export,
+     raises(CheckpointError, r"says it was consolidated from an unverified checkpoint \(`.*good.ckpt` had no manifest\)")),
+    ("strategy_allow_unverified_str", _strategy(allow_unverified="yes"),
+     raises(ValueError, r"`allow_unverified='yes'` must be True or False")),
     ("metadata_system", _damaged(_metadata(_Payload(Path("/tmp/meshkit-test-pwned")))),
      raises(UnsafeCheckpointError, r"refused to unpickle `posix.system`")),
     ("metadata_eval", _damaged(_metadata(_Eval())), raises(UnsafeCheckpointError, r"refused to unpickle `builtins.eval`")),
@@ -302,7 +414,14 @@ CASES: list[tuple[str, Callable, tuple]] = [
     ("ckpt_path_tensor", _full_file(torch.ones(2)), raises(CheckpointError, r"is a Tensor, not a Lightning")),
     ("ckpt_path_text", _full_file(None, raw=b"hello"), raises(CheckpointError, r"not a readable torch file")),
     ("ckpt_path_payload", _full_file(None, raw=pickle.dumps(_Eval())), raises(CheckpointError, r"not a readable torch")),
-    ("ckpt_path_missing", lambda tmp: load_checkpoint(_STUB, tmp / "nope.ckpt", None, None),
+    # -- item 9: torch's advice to re-run with weights_only=False (it runs the payload) is not passed on --
+    ("ckpt_path_pickled_global", _full_file({"state_dict": {}, "x": _Payload(Path("/tmp/meshkit-test-pwned"))}),
+     raises(UnsafeCheckpointError, r"(?s)^(?!.*likely succeed)(?!.*weights_only=False\)`? will).*unsupported GLOBAL "
+                                   r"posix.system.*add_safe_globals")),
+    ("meta_pickled_global", _damaged(_meta(_Payload(Path("/tmp/meshkit-test-pwned"))), _resume_check),
+     raises(UnsafeCheckpointError, r"(?s)^(?!.*likely succeed)`.*meta.pt` holds an object outside torch's "
+                                   r"weights_only allowlist \(unsupported GLOBAL posix.system")),
+    ("ckpt_path_missing", lambda tmp: load_checkpoint(tmp / "nope.ckpt", None),
      raises(CheckpointError, r"does not exist")),
     # -- CLI --
     ("cli_consolidate_missing", _cli("consolidate", "TMP/nope", "TMP/out.pt"), raises(SystemExit, r"2")),

@@ -8,17 +8,18 @@ import re
 
 import pytest
 
+from meshkit import schedules as S
 from meshkit.profiling import bubble as B
-from meshkit.profiling.bubble import Action, TimelineRecord, measured_bubble, simulate, theoretical_bubble
+from meshkit.profiling.bubble import Action, TimelineRecord, measured_bubble, simulate
 
 
 def test_gpipe_and_1f1b_by_hand():
     # p=4, m=8, F=1, B=2: the last microbatch leaves stage 0 after (m+p-1) slots of (F+B) = 33;
     # each stage works m·(F+B) = 24, so idle ÷ total = 9/33 = (p-1)/(m+p-1).
     for sched in ("gpipe", "1f1b"):
-        th = theoretical_bubble(sched, 4, 8, tf=1, tb=2)
+        th = S.step_time(sched, 4, 8, tf=1, tb=2, tw=0), S.theoretical_bubble(sched, 4, 8, tf=1, tb=2, tw=0)
         sim = simulate(sched, 4, 8, tf=1, tb=2)
-        assert th == {"total_time": 33.0, "ideal_time": 24.0, "bubble_fraction": 9 / 33}
+        assert th == ((33.0, 24.0), 9 / 33)
         assert (sim.total_time, sim.ideal_time) == (33.0, 24.0)
         assert sim.bubble_fraction == pytest.approx(9 / 33)
     # memory: GPipe holds all m microbatches; 1F1B holds p - r on rank r.
@@ -29,8 +30,8 @@ def test_gpipe_and_1f1b_by_hand():
 def test_interleaved_by_hand():
     # v=2 chunks of F/2, B/2: the fill/drain costs (p-1)/v slots: total = (m + (p-1)/v)(F+B).
     # p=4, m=8, F=1, B=2: (8 + 1.5) · 3 = 28.5, bubble 4.5/28.5 = (p-1)/(v·m+p-1) = 3/19.
-    th = theoretical_bubble("interleaved", 4, 8, virtual=2, tf=1, tb=2)
-    assert th["total_time"] == 28.5 and th["bubble_fraction"] == pytest.approx(3 / 19)
+    total, _ = S.step_time("interleaved", 4, 8, 2, tf=1, tb=2, tw=0)
+    assert total == 28.5 and S.theoretical_bubble("interleaved", 4, 8, 2, tf=1, tb=2, tw=0) == pytest.approx(3 / 19)
     sim = simulate("interleaved", 4, 8, virtual=2, tf=1, tb=2)
     assert sim.total_time == pytest.approx(28.5) and sim.bubble_fraction == pytest.approx(3 / 19)
     sim = simulate("interleaved", 2, 4, virtual=2, tf=1, tb=1)
@@ -44,13 +45,13 @@ def test_zero_bubble_by_hand():
     # m(F+I+W) + (p-1)(F+I-W) = 6 + 1 (ZB-H1).
     sim = simulate("zero-bubble", 2, 2, tf=1, tb=1, tw=1)
     assert sim.total_time == 7.0
-    assert theoretical_bubble("zero-bubble", 2, 2, tf=1, tb=1, tw=1)["total_time"] == 7.0
+    assert S.step_time("zero-bubble", 2, 2, tf=1, tb=1, tw=1)[0] == 7.0
     rank0 = [(a.kind + str(a.microbatch), s, e) for a, s, e in sim.timeline[0]]
     assert rank0 == [("F0", 0, 1), ("F1", 1, 2), ("I0", 3, 4), ("W0", 4, 5), ("I1", 5, 6), ("W1", 6, 7)]
     for p, m, tw in [(4, 8, 1.0), (4, 8, 0.5), (3, 9, 1.0)]:
-        th = theoretical_bubble("zero-bubble", p, m, tf=1, tb=1, tw=tw)
+        total, _ = S.step_time("zero-bubble", p, m, tf=1, tb=1, tw=tw)
         sim = simulate("zero-bubble", p, m, tf=1, tb=1, tw=tw)
-        assert sim.total_time == pytest.approx(th["total_time"])
+        assert sim.total_time == pytest.approx(total)
         assert sim.peak_inflight_microbatches == [p] * p  # ZB-H1 keeps 1F1B's first-stage memory
 
 
@@ -79,9 +80,14 @@ def test_orders_and_deadlock():
     (dict(schedule="1f1b", stages=0, microbatches=8), r"stages=0"),
     (dict(schedule="1f1b", stages=2, microbatches=2, tf=0), r"tf=0"),
 ])
-def test_bad_input(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        theoretical_bubble(**kwargs)
+def test_bad_input(kwargs, match, capsys):
+    from meshkit.cli import main
+
+    flags = {"schedule": "--schedule", "stages": "-p", "microbatches": "-m", "virtual": "-v", "tf": "--tf"}
+    argv = ["bubble"] + [x for k, v in kwargs.items() for x in (flags[k], str(v))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshkit bubble: error: ") and re.search(match, err), err
 
 
 def _records_from(sim, step, scale=1000):

@@ -14,7 +14,7 @@ from meshkit.models import LlamaConfig, Transformer
 from meshkit.plugins.dims import ParallelDims
 from meshkit.plugins.fsdp import find_blocks, mixed_precision_policy
 from meshkit.plugins.presets import PRESETS, resolve_dims
-from meshkit.plugins.tensor_parallel import infer_tp_plan, model_shape
+from meshkit.plugins.tensor_parallel import infer_tp_plan, tp_widths
 
 AUTO = dict.fromkeys(("dp_replicate", "dp_shard", "pp", "cp", "tp"), "auto")
 
@@ -149,7 +149,7 @@ def test_plan_for_hf_llama_with_biases():
     assert kinds["model.layers.0.self_attn.o_proj"] == "RowwiseParallel"
     assert kinds["model.layers.0.mlp.down_proj"] == "RowwiseParallel"
     assert kinds["model.embed_tokens"] == "RowwiseParallel" and kinds["lm_head"] == "ColwiseParallel"
-    assert model_shape(model) == (4, 2, 32)
+    assert tp_widths(model) == (4, 2, 32)
 
 
 class _Odd(nn.Module):
@@ -163,9 +163,11 @@ class _Odd(nn.Module):
 def test_unplaceable_linears_are_listed_with_the_fix():
     # The old suggestion ("qkv": "colwise") fails for fused or consecutive projections (issue 13 item 5): the fix
     # now keeps the blocks holding them whole.
+    # Modules outside any layer block are named alone (a "*" glob would replicate an embedding or LM head too).
     with pytest.raises(ValueError, match=r"cannot place these projections: qkv \(8->24\), router \(8->4\)\. "
-                                         r".*tp_plan=\{\"\*\": \"replicate\"\}"):
+                                         r".*tp_plan=\{\"qkv\": \"replicate\", \"router\": \"replicate\"\}"):
         infer_tp_plan(_Odd())
+    assert set(infer_tp_plan(_Odd(), user_plan={"qkv": "replicate", "router": "replicate"})) == {"w1"}  # the fix
 
 
 def test_user_plan_places_them():
@@ -176,15 +178,6 @@ def test_user_plan_places_them():
 def test_user_plan_rejects_unknown_style():
     with pytest.raises(ValueError, match=r"`qkv='diagonal'` is not a ParallelStyle"):
         infer_tp_plan(_Odd(), user_plan={"qkv": "diagonal"})
-
-
-def test_sequence_parallel_is_refused_for_hf_models():
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
-
-    model = LlamaForCausalLM(HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match="`sequence_parallel=True` is not supported for transformers models"):
-        infer_tp_plan(model, sequence_parallel=True)
 
 
 def test_blocks_found_in_hf_and_torchtitan_models():

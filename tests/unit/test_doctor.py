@@ -13,7 +13,7 @@ from meshkit.doctor import (RULES, Finding, diagnose_logdir, dp_overlap, few_mic
                             identical_batches, low_occupancy, mfu_band, one_fsdp_unit, pp_unbalanced,
                             preset_fallback, previous_run, read_report, straggler, tp_across_nodes,
                             unused_parameters, write_report, zero3_exposed_allgather)
-from meshkit.doctor.checks import axis_groups, rank_grid
+from meshkit.doctor.checks import FsdpUnit, axis_groups, rank_grid
 
 ORDER = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
 
@@ -50,27 +50,118 @@ def test_preset_fallback_hsdp_tp_on_three_devices():
     assert preset_fallback(PRESETS["hsdp_tp"], ok.degrees, num_nodes=1, world_size=4) == []
 
 
-def test_one_fsdp_unit():
-    f = one_fsdp_unit([161, 20], True)  # a flat MLP of 161 parameters beside a 20-parameter root
-    assert f.id == "one_fsdp_unit"
-    assert f.evidence == {"fsdp_units": 2, "largest_unit_share": 0.8895, "largest_unit_parameters": 161,
-                          "parameters": 181}
-    assert one_fsdp_unit([10, 10, 10, 5], True) is None and one_fsdp_unit([100], False) is None
+def test_one_fsdp_unit_names_the_unit_and_why():
+    # a flat MLP of 161 parameters beside a 20-parameter root: no block stack at all
+    f = one_fsdp_unit([FsdpUnit("net", 161), FsdpUnit("unused", 20)], True)
+    assert (f.id, f.severity, f.evidence["holds"]) == ("one_fsdp_unit", "warning", "other")
+    assert {k: f.evidence[k] for k in ("fsdp_units", "largest_unit", "largest_unit_share", "largest_unit_parameters",
+                                       "parameters")} == {"fsdp_units": 2, "largest_unit": "net",
+                                                          "largest_unit_share": 0.8895, "largest_unit_parameters": 161,
+                                                          "parameters": 181}
+    assert "`net` holds no repeated blocks" in f.fix
+    # two blocks of a stack left inside the root unit: a wrapping mistake
+    f = one_fsdp_unit([FsdpUnit("", 90, embeddings=10, blocks=2, block_parameters=80), FsdpUnit("head", 10)], True)
+    assert (f.severity, f.evidence["holds"], f.evidence["blocks"]) == ("warning", "blocks", 2)
+    assert "the root module holds 2 blocks of a block stack (90%" in f.fix
+    # blocks wrapped, one of them most of the model
+    f = one_fsdp_unit([FsdpUnit("layers.0", 80, blocks=1, block_parameters=80),
+                       FsdpUnit("layers.1", 10, blocks=1, block_parameters=10), FsdpUnit("", 5, embeddings=5)], True)
+    assert (f.severity, f.evidence["holds"], f.evidence["largest_unit"]) == ("warning", "a block", "layers.0")
+    # blocks wrapped, the vocabulary outweighs them: the model's shape, "info"
+    f = one_fsdp_unit([FsdpUnit("model", 128_064, embeddings=64_000, lm_head=64_000),
+                       FsdpUnit("model.layers.0", 37_000, blocks=1, block_parameters=37_000),
+                       FsdpUnit("model.layers.1", 37_000, blocks=1, block_parameters=37_000)], True)
+    assert (f.severity, f.evidence["holds"], f.evidence["embeddings"], f.evidence["lm_head"], f.evidence["other"]) == (
+        "info", "embeddings / lm_head", 64_000, 64_000, 64)
+    assert "`model` holds the embeddings and the LM head: 128,000 parameters, 63%" in f.fix
+    assert one_fsdp_unit([FsdpUnit("a", 10), FsdpUnit("b", 10), FsdpUnit("c", 10), FsdpUnit("d", 5)], True) is None
+    assert one_fsdp_unit([FsdpUnit("a", 100)], False) is None
 
 
-def test_few_microbatches_m_below_4p():
-    f = few_microbatches("1f1b", pp=4, microbatches=8)
-    # 1F1B bubble (p-1)/(m+p-1): 3/11 at m=8, 3/19 at m=16
-    assert f.evidence["needed"] == 16
-    assert f.evidence["bubble"] == pytest.approx(3 / 11, abs=1e-4)
-    assert f.evidence["bubble_at_4p"] == pytest.approx(3 / 19, abs=1e-4)
-    assert few_microbatches("1f1b", pp=4, microbatches=16) is None
+def _issue_llama(tied: bool):
+    """Issue 26's model: a stock transformers Llama, vocabulary 1000 x hidden 64, 2 blocks, inside a module the way
+    a LightningModule holds it (``self.model``)."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=tied)
+    holder = torch.nn.Module()
+    holder.model = transformers.LlamaForCausalLM(config)
+    return holder
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_fsdp_unit_on_a_stock_llama_wrapped_per_block(tied):
+    """meshkit's own wrapping (apply_fsdp: per block, then the roots) of a stock Llama, on a 1-rank gloo mesh: the
+    tied weight counts once (issue 26 saw 202,048 parameters for a 138,048-parameter model and a warning), and an
+    untied vocabulary that outweighs the blocks is "info" naming the root unit, its embeddings and LM head."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshkit.doctor.callback import fsdp_units
+    from meshkit.plugins.fsdp import apply_fsdp, find_blocks
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _issue_llama(tied)
+        params = sum(p.numel() for p in model.parameters())  # each Parameter once
+        apply_fsdp(model, find_blocks(model), init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)))
+        units = fsdp_units(model)
+    finally:
+        dist.destroy_process_group()
+    assert params == (138_048 if tied else 202_048)
+    assert sum(u.parameters for u in units) == params
+    assert sorted(u.name for u in units) == ["model", "model.model.layers.0", "model.model.layers.1"]
+    root = next(u for u in units if u.name == "model")
+    assert (root.embeddings, root.lm_head, root.tied, root.blocks) == (64_000, 0 if tied else 64_000,
+                                                                       64_000 if tied else 0, 0)
+    f = one_fsdp_unit(units, True)
+    if tied:
+        assert f is None  # 64,064 of 138,048: 46 %
+    else:
+        assert (f.severity, f.evidence["largest_unit"], f.evidence["largest_unit_parameters"]) == ("info", "model",
+                                                                                                   128_064)
+
+
+def test_one_fsdp_unit_blocks_left_in_the_root_unit():
+    """A configure_model that shards only the root: the warning names the unit and its 2 unwrapped blocks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from meshkit.doctor.callback import fsdp_units
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _issue_llama(tied=True)
+        fully_shard(model.model, mesh=init_device_mesh("cpu", (1,)))
+        f = one_fsdp_unit(fsdp_units(model), True)
+    finally:
+        dist.destroy_process_group()
+    assert (f.severity, f.evidence["holds"], f.evidence["blocks"], f.evidence["fsdp_units"]) == ("warning", "blocks",
+                                                                                                  2, 1)
+    assert "`model` holds 2 blocks of a block stack (100%" in f.fix
+
+
+def test_few_microbatches_m_below_2p():
+    # the one micro-batch rule (meshkit.schedules.MICROBATCHES_PER_STAGE): the pipeline's default m is its smallest
+    # count >= 2p, and the doctor warns below it
+    from meshkit.plugins.pipeline.schedule import resolve_microbatches
+
+    f = few_microbatches("1f1b", pp=4, microbatches=4)
+    # 1F1B bubble (p-1)/(m+p-1): 3/7 at m=4, 3/11 at m=8
+    assert f.evidence["needed"] == 8 == resolve_microbatches("1f1b", pp=4, batch_size=64)
+    assert f.evidence["bubble"] == pytest.approx(3 / 7, abs=1e-4)
+    assert f.evidence["bubble_at_2p"] == pytest.approx(3 / 11, abs=1e-4)
+    assert few_microbatches("1f1b", pp=4, microbatches=8) is None
     assert few_microbatches("1f1b", pp=1, microbatches=1) is None
 
 
 def test_dp_overlap_t_below_f_over_w():
-    # F = 0.60 (the planner's calibrated achieved_fraction) x 989.4 TFLOP/s, W = 50 GB/s: F/W = 11873 tokens
-    from meshkit.plugins.planner.costs import CALIBRATION
+    # F = the planner's fitted GEMM efficiency of the GPU x its peak, W = 50 GB/s; a GPU without a fitted figure takes
+    # achieved_fraction (0.60: F/W = 0.60 x 989.4e12 / 50e9 = 11873 tokens)
+    from meshkit.planner.costs import CALIBRATION
 
     assert CALIBRATION.achieved_fraction == 0.60
     f = dp_overlap(4096, 989.4e12, 50.0, dp=8, link="inter-node")
@@ -79,6 +170,13 @@ def test_dp_overlap_t_below_f_over_w():
     assert dp_overlap(16384, 989.4e12, 50.0, dp=8, link="inter-node") is None
     assert dp_overlap(1, 989.4e12, 50.0, dp=1, link="intra-node") is None
     assert dp_overlap(1, 1e11, 10.0, dp=2, link="intra-node", measured_peak=True).severity == "info"
+    # the per-GPU figure the planner uses: H100's and A100's fitted GEMM efficiencies differ from 0.60 and each other
+    for gpu, peak in (("h100-sxm", 989.4e12), ("a100-80gb", 312e12)):
+        share = dict(CALIBRATION.gemm_efficiency)[gpu]
+        assert share != 0.60
+        f = dp_overlap(1, peak, 50.0, dp=8, link="inter-node", gpu=gpu)
+        assert f.evidence["needed_tokens"] == round(share * peak / 50e9) and f.evidence["gpu"] == gpu
+        assert f.evidence["achieved_tflops"] == round(share * peak / 1e12, 4)
 
 
 @pytest.mark.parametrize("cp, accumulate, batch_shape, want_tokens", [
@@ -230,8 +328,14 @@ def test_low_occupancy_on_kernel_reports():
     (f,) = low_occupancy([_report(255, warps=8)])  # 255 regs x 256 threads: one block of 8 warps of 64
     assert f.id == "low_occupancy" and f.evidence["limiter"] == "registers"
     assert f.evidence["occupancy"] == 0.125 and f.evidence["registers_per_thread"] == 255
+    assert f.fix == _report(255, warps=8).hint and f.fix.startswith("cut registers from 255")
     assert low_occupancy([_report(32)]) == []
-    assert low_occupancy([_report(32, spill=64)])[0].evidence["spill_bytes"] == 64
+    spilling = _report(32, spill=64)
+    (f,) = low_occupancy([spilling])
+    assert f.evidence["spill_bytes"] == 64
+    # one wording, the occupancy report's (issue 26: the doctor's fix ignored the spills): spills first
+    assert f.fix == spilling.hint and f.fix.startswith("spills 64 B of registers per thread")
+    assert f.fix.endswith("then: " + spilling.occupancy.hint)
 
 
 def test_report_round_trip_and_cli(tmp_path, capsys):
@@ -252,6 +356,21 @@ def test_report_round_trip_and_cli(tmp_path, capsys):
     assert capsys.readouterr().err == f"meshkit doctor: error: `LOGDIR={str(tmp_path / 'missing')!r}` is not a directory; pass a run's log_dir.\n"
     with pytest.raises(ValueError, match="is not a known finding"):
         Finding("nope", "info", None)
+
+
+def test_cli_checks_its_path_and_reads_a_report_before_heavy_imports(tmp_path):
+    """`meshkit doctor` rejects a missing LOGDIR, and prints a finished run's doctor.json, without importing torch
+    or Lightning (issue 26: ~10 s to reject a missing path, torch imported first)."""
+    import subprocess
+    import sys
+
+    write_report(tmp_path / "run", [Finding("straggler", "warning", 3, {"late_ms": 50.0}, "look at rank 3")], {})
+    probe = ("import sys; from meshkit.cli import main; rc = main(['doctor', sys.argv[1]]); "
+             "print('heavy:', sorted(m for m in ('torch', 'lightning', 'numpy') if m in sys.modules)); sys.exit(rc)")
+    for logdir, rc, says in ((tmp_path / "missing", 2, "is not a directory"), (tmp_path, 0, "straggler (rank 3)")):
+        proc = subprocess.run([sys.executable, "-c", probe, str(logdir)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == rc and says in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        assert "heavy: []" in proc.stdout, proc.stdout
 
 
 def test_cli_without_a_report_reads_the_run_files(tmp_path):
@@ -286,24 +405,19 @@ def _tiny_module():
 
 
 def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
-    """The callback end to end in one process, switched on the way MFUMonitor would (ensure_doctor)."""
+    """The callback end to end in one process."""
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from meshkit.doctor import Doctor, ensure_doctor
+    from meshkit.doctor import Doctor
 
-    class SwitchOn(L.Callback):
-        def setup(self, trainer, pl_module, stage):
-            self.doctor = ensure_doctor(trainer, pl_module, stage)
-
-    switch = SwitchOn()
+    doctor = Doctor()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="r"),
-                        callbacks=[switch], enable_checkpointing=False, enable_progress_bar=False,
+                        callbacks=[doctor], enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(_tiny_module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
-    assert isinstance(switch.doctor, Doctor) and ensure_doctor(trainer, None, "fit") is switch.doctor
-    (f,) = switch.doctor.findings
+    (f,) = doctor.findings
     assert f.id == "unused_parameters" and f.evidence["parameters"] == ["unused.weight", "unused.bias"]
     log_dir = tmp_path / "r" / "version_0"
     back, run = read_report(log_dir)
@@ -313,25 +427,75 @@ def test_one_process_fit_writes_report_tensorboard_and_print(tmp_path, capsys):
     assert "WARNING  unused_parameters (rank 0)" in capsys.readouterr().out
 
 
-def test_mfu_monitor_switches_the_doctor_on(tmp_path):
+def _fit_callbacks(tmp_path, callbacks):
     import lightning as L
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="m"),
+                        callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(_tiny_module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
+    return trainer
+
+
+def _monitor(**kw):
+    from meshkit.profiling.mfu import MFUMonitor
+
+    return MFUMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0, **kw)
+
+
+def test_the_doctor_switches_the_mfu_monitor_on(tmp_path):
     from meshkit.doctor import Doctor
     from meshkit.profiling.mfu import MFUMonitor
 
-    def fit(monitor):
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=TensorBoardLogger(tmp_path, name="m"),
-                            callbacks=[monitor], enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
-        trainer.fit(_tiny_module(), torch.utils.data.DataLoader(torch.randn(8, 4), batch_size=2))
-        return [cb for cb in trainer.callbacks if isinstance(cb, Doctor)]
+    setups: list[str] = []
 
-    (doctor,) = fit(MFUMonitor(doctor=True, profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0))
+    class Counted(Doctor):  # the hook loop comes back to the Doctor once the monitor is in: no second setup
+        def _add_monitor(self, *args):
+            setups.append("added")
+            super()._add_monitor(*args)
+
+    class CountedMonitor(MFUMonitor):
+        def setup(self, *args, **kwargs):
+            setups.append("monitor")
+            super().setup(*args, **kwargs)
+
+    monitor = CountedMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0)
+    doctor = Counted(mfu=monitor)
+    trainer = _fit_callbacks(tmp_path, [doctor])
+    mine = [cb for cb in trainer.callbacks if isinstance(cb, (MFUMonitor, Doctor))]
+    assert mine == [monitor, doctor]  # the monitor first: it reads its last step before the Doctor reads it
+    assert setups == ["added", "monitor"]  # once each, though Lightning's hook loop came back to the Doctor
     # the Doctor sees the module (an unused parameter) and the monitor's MFU history (its band)
+    assert sorted(f.id for f in doctor.findings) == ["mfu_band", "unused_parameters"] and len(monitor.history) == 2
+    _fit_callbacks(tmp_path, mine)  # a new fit with both in place: found, not added again
+    assert setups == ["added", "monitor", "monitor", "added"]
+    # mfu=True: the Trainer's own monitor (after or before the Doctor) is used, not a second one
+    other = _monitor()
+    doctor = Doctor(mfu=True)
+    trainer = _fit_callbacks(tmp_path, [doctor, other])
+    assert [cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)] == [other]
     assert sorted(f.id for f in doctor.findings) == ["mfu_band", "unused_parameters"]
-    assert fit(MFUMonitor(profile_every=0, measure_flops=False, peak_flops=1e12, flops_per_token=24.0)) == []
+    # without mfu= nothing is added
+    doctor = Doctor()
+    trainer = _fit_callbacks(tmp_path, [doctor])
+    assert not [cb for cb in trainer.callbacks if isinstance(cb, MFUMonitor)]
+    assert [f.id for f in doctor.findings] == ["unused_parameters"]
+
+
+def test_the_doctor_refuses_a_second_monitor_and_the_old_switch_says_where_it_went(tmp_path):
+    from meshkit.doctor import Doctor
+    from meshkit.profiling.mfu import MFUMonitor
+
+    with pytest.raises(ValueError, match=r"Doctor: `mfu=` passes an MFUMonitor but the Trainer's callbacks hold "
+                                         r"another one: pass `mfu=True`"):
+        _fit_callbacks(tmp_path, [_monitor(), Doctor(mfu=_monitor())])
+    with pytest.raises(ValueError, match=r"Doctor: `mfu='yes'` must be True, False or an `MFUMonitor\(...\)`"):
+        Doctor(mfu="yes")
+    with pytest.raises(ValueError, match=r"MFUMonitor: `doctor=True` moved to the Doctor: use "
+                                         r"`callbacks=\[meshkit.Doctor\(mfu=True\)\]`"):
+        MFUMonitor(doctor=True)
 
 
 def test_an_unreadable_trace_is_a_finding_not_silence(tmp_path):
@@ -345,3 +509,60 @@ def test_an_unreadable_trace_is_a_finding_not_silence(tmp_path):
     (f,) = traces_findings(str(tmp_path))
     assert f.id == "unreadable_trace" and f.severity == "warning"
     assert "no usable events" in f.evidence["error"] and "rank0.pt.trace.json" in f.evidence["error"]
+
+
+def test_findings_markdown_is_a_short_table_then_one_section_per_finding():
+    """TensorBoard's TEXT tab squeezed a five-column table with the evidence and the fix in cells (issue 26): the
+    table now has three short columns and each finding's evidence and fix are lines of their own."""
+    from meshkit.doctor.findings import findings_markdown
+
+    fs = [Finding("mfu_band", "info", None, {"mfu_pct": 5.0, "peak": "measured"}, "A sentence long enough to wrap."),
+          Finding("straggler", "warning", 3, {"late_ms": 50.0}, "Look at rank 3.")]
+    lines = findings_markdown(fs).splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    assert table == ["| severity | finding | rank |", "|---|---|---|", "| warning | `straggler` | 3 |",
+                     "| info | `mfu_band` | all |"]
+    assert "#### warning: `straggler` (rank 3)" in lines and "- late_ms: 50.0" in lines
+    assert "**Fix**: A sentence long enough to wrap." in lines and "- peak: measured" in lines
+    assert lines.index("#### warning: `straggler` (rank 3)") < lines.index("#### info: `mfu_band` (all ranks)")
+
+
+def _tp_sleeper_trace(rank: int, steps: int = 12, sleeper: int = 1, sleep: int = 600) -> list:
+    """A tp pair: ``sleeper`` sleeps ``sleep`` µs in its forward before the first of 4 collectives per step; its peer
+    waits in that collective, and from then on both arrive together (0-2 µs of jitter)."""
+    from tests.unit.test_trace import X
+
+    events = []
+    for k in range(steps):
+        t0 = k * 2000
+        events.append(X(f"ProfilerStep#{k + 1}", "user_annotation", t0, 2000, 1))
+        shift, prev_end = 0, t0
+        for c in range(4):
+            nominal = t0 + 100 + c * 200 + shift
+            late = [(k + c + r) % 3 + (sleep if r == sleeper and c == 0 else 0) for r in (0, 1)]
+            arrive, last = nominal + late[rank], nominal + max(late)
+            events.append(X("aten::mm", "cpu_op", prev_end, arrive - prev_end, 1))
+            events.append(X("gloo:all_reduce", "user_annotation", arrive, last + 20 - arrive, 2))
+            prev_end, shift = last + 20, sleep
+    return events
+
+
+def test_doctor_straggler_is_the_rank_meshkit_analyze_names(tmp_path):
+    # Issue 27 item 8: with one tp rank sleeping in its forward the doctor named its tp peer ("replace it"): at the
+    # step-boundary probe the peer, which had waited for it inside the step, looked late.
+    from meshkit.doctor.callback import traces_findings, with_traces
+    from meshkit.profiling.overlap import analyze
+    from tests.unit.test_trace import write_trace
+
+    for r in (0, 1):
+        write_trace(tmp_path / f"rank{r}.pt.trace.json", r, 2, _tp_sleeper_trace(r))
+    named = analyze(str(tmp_path))["straggler"]
+    assert named == {"rank": 1, "caused_ms_per_step": 0.6}
+    (f,) = [f for f in traces_findings(str(tmp_path)) if f.id == "straggler"]
+    assert f.rank == named["rank"] == 1 and f.evidence["caused_ms_per_step"] == 0.6
+    assert f.evidence["source"] == "profiler traces" and "replace it" in f.fix
+    probe = straggler({0: [1.0] * 10, 1: [60.0] * 10}, step_ms=100.0)  # the victim, rank 0, arrives last
+    assert probe.rank == 0 and "may be the victim" in probe.fix and "replace it" not in probe.fix
+    assert [(g.id, g.rank) for g in with_traces([probe], [f], traced=True)] == [("straggler", 1)]
+    assert with_traces([probe], [], traced=True) == []  # traces without a straggler overrule the probe's guess
+    assert with_traces([probe], [], traced=False) == [probe]

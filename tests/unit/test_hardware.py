@@ -89,7 +89,7 @@ def test_ridge():
 
 
 def test_views_are_derived_from_the_catalog():
-    from meshkit.plugins import planner as pl
+    from meshkit import planner as pl
     from meshkit.profiling import flops as F
     from meshkit.profiling import occupancy as occ
 
@@ -108,7 +108,7 @@ def test_views_are_derived_from_the_catalog():
 
 def test_variants_the_planner_used_to_fold_into_another_row():
     # The planner's catch-all patterns sent these devices to another model's row; the catalog has their own.
-    from meshkit.plugins import planner as pl
+    from meshkit import planner as pl
 
     nvl = pl.plan(pl.ModelSpec(layers=4, hidden=64, heads=4), seq_len=64, global_batch=8, gpus_per_node=2,
                   gpu="NVIDIA H100 NVL")

@@ -36,10 +36,12 @@ def _trainer_strategy(pl):
     return trainer.strategy
 
 
-@pytest.mark.parametrize("first", ["pass", "meshkit.NDParallelStrategy"], ids=["lightning_next", "plugins_next"])
+@pytest.mark.parametrize("first", ["pass", "meshkit.NDParallelStrategy", "meshkit.PRESETS"],
+                         ids=["lightning_next", "plugins_next", "presets_next"])
 def test_strategy_name_resolves_when_meshkit_is_imported_first(first):
-    """The import hook, in a fresh process: Lightning imported by the user after meshkit, or by
-    meshkit.plugins itself (then the hook waits for meshkit.plugins to finish)."""
+    """The import hook, in a fresh process: Lightning imported by the user after meshkit, or by a meshkit
+    module itself (then the hook waits for that module to finish: ``meshkit.PRESETS`` first, whose module
+    imports Lightning, used to raise ImportError from a partially initialized meshkit.plugins.presets)."""
     out = subprocess.run([sys.executable, "-c", _MESHKIT_FIRST.format(first=first)], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stderr
@@ -89,3 +91,18 @@ def test_public_names_are_lazy_and_listed():
     assert meshkit.NDParallelStrategy is NDParallelStrategy and meshkit.read_timeline is read_timeline
     with pytest.raises(AttributeError, match="module 'meshkit' has no attribute 'no_such_name'"):
         meshkit.no_such_name
+
+
+def test_one_lazy_loader_for_every_lazy_package():
+    import meshkit.plugins
+    import meshkit.profiling
+
+    for pkg in (meshkit, meshkit.plugins, meshkit.profiling):
+        assert pkg.__getattr__.__module__ == "meshkit.lazy", pkg.__name__
+        assert set(pkg.__all__) <= set(dir(pkg)), pkg.__name__
+        with pytest.raises(AttributeError, match=f"module '{pkg.__name__}' has no attribute 'no_such_name'"):
+            pkg.no_such_name
+    from meshkit.profiling.flops import peak_flops
+
+    assert meshkit.profiling.peak_flops is peak_flops and "peak_flops" in vars(meshkit.profiling)  # cached
+    assert meshkit.plugins.dims.__name__ == "meshkit.plugins.dims"  # a submodule by attribute

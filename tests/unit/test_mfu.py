@@ -79,7 +79,8 @@ def test_report_layer(tmp_path):
     table = R.markdown_table(fr, mfu=0.4, step_time_s=0.5)
     assert "| exposed_comm | 0.00 % | 0.00 | 0.000 |" in table and "**40.00 %**" in table
     assert "| other | 20.00 % | 10.00 | 100.000 |" in table  # ideal 50 % x 0.2 ; 0.5 s x 0.2
-    img = R.waterfall_image(fr, 0.4)
+    pts = R.waterfall(fr, {"matmul": 0.75, "attention": 0.0}, {"matmul": 0.4})
+    img = R.waterfall_image(pts)
     assert img.ndim == 3 and img.shape[2] == 3 and img.dtype == np.uint8
     layout = R.breakdown_layout()
     assert list(layout) == [R.LAYOUT_TITLE]
@@ -90,14 +91,29 @@ def test_report_layer(tmp_path):
 
     class Writer:
         def __init__(self):
-            self.calls = []
+            self.calls, self.scalars, self.text = [], {}, ""
+
+        def add_scalar(self, tag, value, step):
+            self.calls.append("add_scalar")
+            self.scalars[tag] = (value, step)
+
+        def add_text(self, tag, text, step):
+            self.calls.append("add_text")
+            self.text = text
 
         def __getattr__(self, name):
             return lambda *a, **k: self.calls.append(name)
 
     w = Writer()
-    R.write_window(w, 7, fr, 0.4, 0.5, overlap={"ranks": {}, "stragglers": []})
+    R.write_window(w, 7, fr, 0.4, 0.5, overlap={"ranks": {}, "stragglers": []}, points=pts,
+                   exposed_comm_by_axis_ms={"tp": 1.5})
     assert w.calls[:2] == ["add_text", "add_image"]
+    # compute 80 % of the step: 60 points in matmuls delivering 40, 20 in other kernels; host_other 20
+    want = {"peak": 100.0, "host_other": 20.0, "non_matmul": 20.0, "matmul_efficiency": 20.0, "achieved": 40.0}
+    for p in ("peak", *R.WATERFALL_PARTS, "achieved"):
+        assert w.scalars[f"MFU_waterfall_points/{p}"] == (pytest.approx(want.get(p, 0.0)), 7), p
+    assert w.scalars["MFU_exposed_comm_ms/tp"] == (1.5, 7)
+    assert "| matmul_efficiency | 20.00 | larger tile-aligned matmuls" in w.text
 
 
 def test_step_scalars_are_percent_under_the_first_screen_groups():
@@ -108,7 +124,7 @@ def test_step_scalars_are_percent_under_the_first_screen_groups():
     assert sum(s[R.breakdown_tag(p)] for p in R.BREAKDOWN_PARTS) == pytest.approx(100.0)
     assert s[R.breakdown_tag("exposed_comm")] == pytest.approx(25.0)
     assert s[R.points_lost_tag("exposed_comm")] == pytest.approx(5.0)  # ideal 20 % x 0.25
-    assert s["mfu/step_time_ms"] == pytest.approx(200.0)
+    assert s["MFU_details/step_time_ms"] == pytest.approx(200.0)
     # TensorBoard's TIME SERIES expands the first two tag groups, sorted by character code ("/" first):
     # the headline groups are upper case, so they come before Lightning's epoch / hp_metric / train_loss
     groups = sorted({t.split("/", 1)[0] for t in s} | {"epoch", "hp_metric", "train_loss"})
@@ -174,3 +190,20 @@ def test_deferred_clock_reads_each_step_one_step_late(monkeypatch, tmp_path):
     for m, clock in zip(mon.history, clocks):
         fb, opt = clock.phases_ms()
         assert fb > 0 and opt > 0 and m.step_time_s >= (fb + opt) / 1e3
+
+
+def test_carried_window_leaves_the_stop_signal_wait_to_each_batch():
+    """A profiled batch of 1000 ms: 100 data wait, 300 waiting in the stop-signal broadcast (timed, exposed
+    comm), forward+backward 500 of which 200 exposed comm and 100 host idle, optimizer 100. Later batches
+    take from the window what was inside forward+backward: exposed 200 ms (not 500: each batch times its
+    own stop-signal wait), host idle 100 of a 500 ms forward+backward."""
+    from meshkit.profiling.mfu import StepMetrics, _Window, split_step
+
+    mon = MFUMonitor(profile_every=0)
+    window = _Window(7, 500.0, 200.0, 0.0, 100.0)
+    parts = split_step(1000.0, 100.0, 500.0, 100.0, window, 0.0, stop_signal_ms=300.0)
+    assert parts["exposed_comm"] == pytest.approx(0.5) and parts["compute"] == pytest.approx(0.2)
+    mon.history.append(StepMetrics(7, 1.0, 0.1, 0.1, 1.0, 1.0, 1.0, 1.0, parts))
+    mon._in_window, mon._window_stop_ms = {7: {}}, {7: 300.0}
+    carried = mon._carried_window()
+    assert (carried.fwd_bwd_ms, carried.exposed_ms, carried.other_ms) == pytest.approx((500.0, 200.0, 100.0))

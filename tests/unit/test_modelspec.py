@@ -33,8 +33,8 @@ def _key(s: TransformerShape) -> tuple:
 
 
 def test_torchtitan_args_everywhere():
-    from meshkit.plugins.planner import ModelSpec
-    from meshkit.plugins.tensor_parallel import model_shape as tp_shape
+    from meshkit.planner import ModelSpec
+    from meshkit.plugins.tensor_parallel import tp_widths
     from meshkit.profiling.flops import model_shape
 
     args = TitanArgs()
@@ -48,7 +48,7 @@ def test_torchtitan_args_everywhere():
     assert model_shape(args).n_layers == 32
     holder = torch.nn.Module()
     holder.model_args = args
-    assert tp_shape(holder) == (32, 8, 4096)
+    assert tp_widths(holder) == (32, 8, 4096)
     assert find_config(SimpleNamespace(args=args)) is args
 
 
@@ -125,8 +125,8 @@ def test_lightning_module_holding_an_hf_model_under_any_name():
 def test_the_five_readers_agree():
     t = pytest.importorskip("transformers")
     from meshkit.models import LlamaConfig, LlamaLM
-    from meshkit.plugins import planner as pl
-    from meshkit.plugins.tensor_parallel import model_shape as tp_shape
+    from meshkit import planner as pl
+    from meshkit.plugins.tensor_parallel import tp_widths
     from meshkit.profiling.flops import model_shape
 
     for obj in (LlamaLM(LlamaConfig.tiny(max_seq_len=32)), t.LlamaForCausalLM(_tiny(t.LlamaConfig))):
@@ -135,10 +135,10 @@ def test_the_five_readers_agree():
         assert (f.n_layers, f.n_heads, f.head_dim, f.seq_len) == (s.layers, s.heads, s.head_dim, s.max_seq_len)
         assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.ffn, spec.vocab) == (
             s.layers, s.hidden, s.heads, s.kv_heads, s.ffn, s.vocab)
-        assert tp_shape(obj) == (s.heads, s.kv_heads, s.hidden)
+        assert tp_widths(obj) == (s.heads, s.kv_heads, s.hidden)
         assert find_config(obj) is (obj.config)
         # auto_nd's seq_len default is the config's
-        assert pl.auto_nd_dims(obj, world_size=2, num_nodes=1, device="cpu").world_size == 2
+        assert pl.auto_nd_layout(obj, world_size=2, num_nodes=1, device="cpu").world_size == 2
 
 
 def test_errors_name_what_is_missing():
@@ -147,6 +147,6 @@ def test_errors_name_what_is_missing():
     with pytest.raises(ValueError, match=r"module without a `config`"):
         read_shape(torch.nn.Linear(2, 2))
     assert find_config(torch.nn.Linear(2, 2)) is None and find_config({"dim": 8}) is None
-    from meshkit.plugins.tensor_parallel import model_shape as tp_shape
+    from meshkit.plugins.tensor_parallel import tp_widths
 
-    assert tp_shape(torch.nn.Linear(2, 2)) == (None, None, None)
+    assert tp_widths(torch.nn.Linear(2, 2)) == (None, None, None)

@@ -152,7 +152,7 @@ def test_arch_table_and_names():
     for name, spec in ARCHS.items():
         assert spec.name == name and len(spec.sources) >= 3
         assert spec.shared_per_block_bytes + spec.reserved_shared_per_block_bytes == spec.shared_per_sm_bytes
-    assert all(g.arch in ARCHS and g.sms > 0 and g.source for g in GPUS.values())
+    assert all(g.arch in ARCHS and g.sms > 0 and g.sm_source for g in GPUS.values())
     for alias in ("sm_90", "sm90", "90", 90, "sm_90a", "9.0", "H100", "h200"):
         assert resolve_arch(alias).name == "sm_90"
     assert math.isclose(ARCHS["sm_86"].max_threads_per_sm, 1536)
@@ -184,3 +184,21 @@ def test_load_kernel_module_form_resolves_from_the_current_folder(tmp_path, monk
     assert (name, kernel()) == ("my_kernel", 7)
     with pytest.raises(ValueError, match="cannot import module 'no_such_mod_xyz'"):
         load_kernel("no_such_mod_xyz:k")
+
+
+def test_the_hint_puts_spills_first():
+    """Issue 26: a kernel spilling 436 B got only its occupancy hint; spills cost more (local-memory traffic)."""
+    from meshkit.profiling.occupancy.compile import KernelResources
+    from meshkit.profiling.occupancy.report import KernelReport, occupancy_text
+    from meshkit.profiling.occupancy.theory import theoretical_occupancy
+
+    def report(spill: int) -> KernelReport:
+        res = KernelResources("k", "sm_90", 4, 3, {"BLOCK": 4096}, 255, spill, spill, spill, 0, 0, 0, 0.0)
+        return KernelReport(res, theoretical_occupancy("sm_90", registers_per_thread=255, num_warps=4))
+
+    spilling, clean = report(436), report(0)
+    assert spilling.hint.startswith("spills 436 B of registers per thread to local memory (255 registers live)")
+    assert "num_warps above 4" in spilling.hint and spilling.hint.endswith("then: " + clean.occupancy.hint)
+    assert clean.hint == clean.occupancy.hint and "spill" not in clean.hint
+    assert spilling.to_dict()["hint"] == spilling.hint
+    assert "k sm_90 w4 s3: spills 436 B" in occupancy_text([spilling])

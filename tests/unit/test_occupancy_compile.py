@@ -6,6 +6,8 @@ directory) and the later tests read it back from that cache.
 
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
@@ -253,3 +255,126 @@ def test_in_process_compile_matches_the_worker(reduction, tmp_path):
     here = json.loads(proc.stdout.strip().splitlines()[-1])
     (worker,) = [r for r in reduction if r.arch == "sm_90" and r.num_warps == 4]
     assert here == worker.to_dict()
+
+
+def test_given_warps_or_stages_replace_a_specs_own_configs():
+    """`--num-warps` with `--builtin` measures the warps given, never silently the spec's (each value kept else)."""
+    from meshkit.profiling.occupancy.report import _override
+
+    own = [{"num_warps": 16, "num_stages": 3}]
+    assert _override(own) == own
+    assert _override(own, num_warps=[4, 8], num_stages=None) == [{"num_warps": 4, "num_stages": 3},
+                                                                  {"num_warps": 8, "num_stages": 3}]
+    assert _override(own, num_warps=None, num_stages=2) == [{"num_warps": 16, "num_stages": 2}]
+
+
+def _terminal_lines(raw: str) -> list[str]:
+    """What a terminal shows for ``raw``: ``\\r`` returns to column 0 and later text overwrites (the pty's
+    ``\\r\\n`` included); CSI escapes are dropped (tqdm draws position 0 without them)."""
+    lines, buf, col = [], [], 0
+    for ch in re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", raw):
+        if ch == "\n":
+            lines.append("".join(buf).rstrip())
+            buf, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            buf[col:col + 1] = [ch]
+            col += 1
+    return lines + (["".join(buf).rstrip()] if buf else [])
+
+
+def test_terminal_lines_overwrite_like_a_terminal():
+    assert _terminal_lines("bar 10%\rbar 99%\r       \rhead\r\nrow\n") == ["head", "row"]
+    assert _terminal_lines("bar 10%  warn\nhead") == ["bar 10%  warn", "head"]
+
+
+# the CLI in a fresh interpreter (no TRITON_INTERPRET: the in-process compile, where Triton's own warnings
+# are raised), with one more warning raised mid-compile as any compiler warning would be
+_CLI_WITH_A_WARNING = (
+    "import sys, warnings\n"
+    "from meshkit.profiling.occupancy import compile as oc\n"
+    "real = oc._compile_one\n"
+    "def warned(*a, **k):\n"
+    "    warnings.warn('a compiler warning', UserWarning)\n"
+    "    return real(*a, **k)\n"
+    "oc._compile_one = warned\n"
+    "from meshkit.cli import main\n"
+    "raise SystemExit(main(sys.argv[1:]))\n"
+)
+
+
+def _occupancy_cli_argv(cache: str) -> list[str]:
+    return [sys.executable, "-c", _CLI_WITH_A_WARNING, "occupancy",
+            "tests/fixtures/occupancy_kernels.py:row_sum_squares", "--signature", RED_SIG, "--constexpr",
+            "BLOCK=1024", "--num-warps", "4,8", "--arch", "sm_90", "--cache-dir", cache]
+
+
+def _cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    env.update(PYTHONPATH=os.getcwd(), MESHKIT_OCCUPANCY_WORKERS="")
+    return env
+
+
+def test_cli_on_a_terminal_progress_and_warnings_stay_off_the_table(tmp_path):
+    """Issue 26: the progress bar and a Triton warning ran into the table header. On a terminal (a pty as
+    stdout and stderr) the bar is drawn and erased, the warning shown after it, the finished line follows,
+    and the table starts on a line of its own; Triton 3.9's FP-fusion warning is not raised at all."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+    import time
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))  # 100 columns, as a terminal
+    proc = subprocess.Popen(_occupancy_cli_argv(str(tmp_path)), stdout=follower, stderr=follower,
+                            env=_cli_env())
+    os.close(follower)
+    raw, deadline = b"", time.monotonic() + 300
+    try:
+        while True:
+            ready, _, _ = select.select([leader], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                proc.kill()
+                pytest.fail(f"the CLI printed nothing more for 300 s:\n{raw.decode()[-3000:]}")
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            raw += chunk
+    finally:
+        os.close(leader)
+    assert proc.wait(timeout=60) == 0, raw.decode()[-3000:]
+    text = raw.decode()
+    assert "compiling:" in text  # the bar was drawn (a terminal) ...
+    lines = [ln for ln in _terminal_lines(text) if ln]
+    assert not any("compiling" in ln for ln in lines), lines  # ... and erased
+    assert "FP_FUSION" not in text and "TRITON_DEFAULT_FP_FUSION" not in text, text
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["kernel", "arch"])
+    assert lines[head].split() == ["kernel", "arch", "warps", "stages", "regs", "spill", "B", "smem", "B",
+                                   "blocks/SM", "warps/SM", "occ", "limiter"], lines
+    assert re.fullmatch(r"2 kernel config\(s\): 2 compiled in [\d.]+ s, 0 from the cache \(.*\)",
+                        lines[head - 1]), lines
+    warned = [i for i, ln in enumerate(lines) if "UserWarning: a compiler warning" in ln]
+    assert warned and max(warned) < head - 1, lines
+    assert [ln.split()[:2] for ln in lines[head + 1:head + 3]] == [["row_sum_squares", "sm_90"]] * 2, lines
+
+
+def test_cli_piped_table_alone_on_stdout(tmp_path):
+    """Piped (a log, `| less`): stdout is the table alone; stderr holds the warning and the finished line, no
+    bar remnants (the bar is drawn on terminals only)."""
+    import subprocess
+
+    argv = _occupancy_cli_argv(str(tmp_path))
+    proc = subprocess.run(argv, capture_output=True, text=True, env=_cli_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.splitlines()
+    assert out[0].split()[:2] == ["kernel", "arch"] and len(out) == 5, out  # header, 2 rows, 2 hints
+    assert "\r" not in proc.stderr and "compiling" not in proc.stderr, proc.stderr
+    err = proc.stderr.splitlines()
+    assert "UserWarning: a compiler warning" in proc.stderr and err[-1].startswith("2 kernel config(s): 2 compiled")

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from meshkit.profiling.overlap import analyze, format_table
+from meshkit.profiling.overlap import analyze, format_analysis
 from meshkit.profiling.report import overlap_markdown, straggler_lines
 from tests.unit.test_trace import X, write_trace
 
@@ -135,10 +135,30 @@ def test_cuda_two_windows_and_a_straggler_by_hand(tmp_path):
                          "jitter)", "late arrivals above the noise floor, per process group and collective, the "
                          "largest first:"]
     assert "  late: AllReduce group [0, 1] rank 1 late by 0.300 ms (last 2 of 2 times in window 5)" in lines
-    text = format_table(res).splitlines()
+    text = format_analysis(res).splitlines()
     assert text[text.index(lines[0]):text.index(lines[0]) + len(lines)] == lines
     board = [line for line in overlap_markdown(res).replace("`AllReduce`", "AllReduce").splitlines() if line]
     assert board[board.index(lines[0]):board.index(lines[0]) + len(lines)] == lines
+
+
+def test_a_late_arrivals_short_span_matches_the_long_wait_it_caused(tmp_path):
+    """Found on a loaded CI host: rank 2 sleeps 300 ms before its part of an all-gather with rank 0;
+    rank 2's span is 1.4 ms long and ends 1.6 ms before rank 0's 310 ms wait (its wake-up was late).
+    Rank 1 waits for rank 0 in an all-reduce that rank 0 reaches right after. By hand: one all-gather
+    instance {0, 2} (ends 1.6 ms apart: within 5 % of the longer span, not within 1 ms), rank 0 waited
+    for rank 2 from 10 to 317 ms, rank 1 from 12 to 321 ms for rank 0, who was blocked waiting for
+    rank 2 all that time: rank 1 waited for rank 2 (never for rank 0)."""
+    spans = {0: [("gloo:all_gather", 10_000, 320_000), ("gloo:all_reduce", 321_000, 322_000)],
+             1: [("gloo:all_reduce", 12_000, 322_000)],
+             2: [("gloo:all_gather", 317_000, 318_400)]}
+    for r, xs in spans.items():
+        ev = [X("ProfilerStep#1", "user_annotation", 0, 400_000, 1)]
+        ev += [X(name, "user_annotation", s, e - s, 2) for name, s, e in xs]
+        write_trace(tmp_path / f"rank{r}.pt.trace.json", r, 3, ev)
+    res = analyze(str(tmp_path))
+    waits = {r: res["ranks"][str(r)].get("waiting_for_ms") for r in range(3)}
+    assert waits == {0: {"2": pytest.approx(307.0)}, 1: {"2": pytest.approx(309.0)}, 2: None}, waits
+    assert res["straggler"]["rank"] == 2
 
 
 def test_healthy_run_names_no_straggler(tmp_path):
@@ -169,7 +189,7 @@ def test_analysis_modules_import_neither_torch_nor_lightning(tmp_path):
 import contextlib, io, json, sys
 import meshkit, meshkit.timeline
 from meshkit.cli import main
-from meshkit.profiling.overlap import analyze, format_table
+from meshkit.profiling.overlap import analyze, format_analysis
 from meshkit.profiling.report import overlap_markdown, straggler_lines
 from meshkit.profiling.report import overlap_markdown
 res = analyze({str(tmp_path)!r})
@@ -184,3 +204,53 @@ print(json.dumps({{"torch": "torch" in sys.modules, "lightning": "lightning" in 
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"torch": False, "lightning": False, "rc": 0, "compute": pytest.approx(0.15), "printed": True}
+
+
+def test_stop_signal_wait_is_exposed_comm_waiting_for_the_slow_rank(tmp_path):
+    """Two ranks, one 1000 µs step each with meshkit's markers. Rank 1 is slow between batches: its loop
+    runs [0,400) before Lightning's stop-signal broadcast; rank 0 enters the broadcast at 50 and waits in it
+    until both leave at 420. By hand, rank 0: data_wait [0,50) + [990,1000) = 60 µs, exposed_comm the
+    stop-signal span [50,420) = 370 (the broadcast's gloo span [60,420) inside it), waiting for rank 1
+    from its span's start (60) to rank 1's (400): 340; forward+backward [420,900): an mm [420,800), the
+    rest 100 other; optimizer [900,990) = 90. Rank 1: data_wait [0,400) + [990,1000) = 410, exposed 20
+    ([400,420)), compute 380 (the same mm), other 100, optimizer 90. A save inside forward+backward (rank
+    0, [800,850)) is checkpoint, once: rank 0's other is 50."""
+    for r, (stop0, span0) in {0: (50, 60), 1: (400, 400)}.items():
+        ev = [X("ProfilerStep#1", "user_annotation", 0, 1000, 1),
+              X("meshkit:stop_signal", "user_annotation", stop0, 420 - stop0, 1),
+              X("gloo:broadcast", "user_annotation", span0, 420 - span0, 2),
+              X("meshkit:forward_backward", "user_annotation", 420, 480, 1),
+              X("aten::mm", "cpu_op", 420, 380, 1),
+              X("meshkit:optimizer", "user_annotation", 900, 90, 1)]
+        if r == 0:
+            ev.append(X("meshkit:checkpoint", "user_annotation", 800, 50, 1))
+        write_trace(tmp_path / f"rank{r}.pt.trace.json", r, 2, ev)
+    res = analyze(str(tmp_path))
+    b0, b1 = res["ranks"]["0"]["buckets_ms"], res["ranks"]["1"]["buckets_ms"]
+    assert b0 == pytest.approx({"compute": 0.38, "exposed_comm": 0.37, "bubble": 0.0, "data_wait": 0.06,
+                                "optimizer": 0.09, "validation": 0.0, "checkpoint": 0.05, "other": 0.05})
+    assert b1 == pytest.approx({"compute": 0.38, "exposed_comm": 0.02, "bubble": 0.0, "data_wait": 0.41,
+                                "optimizer": 0.09, "validation": 0.0, "checkpoint": 0.0, "other": 0.1})
+    assert res["ranks"]["0"]["waiting_for_ms"] == {"1": pytest.approx(0.34)}
+    assert "waiting_for_ms" not in res["ranks"]["1"]
+
+
+def test_a_collective_call_outlasting_its_gloo_span_is_exposed_comm(tmp_path):
+    """The demo's traces (4 ranks on a loaded 2-core host): the main thread sits 3 ms in a
+    ``c10d::allreduce_`` whose ``gloo:all_reduce`` took 0.2 ms. One 1000 µs step, forward+backward all of
+    it: a functional all_reduce [100,400) holding a clone [110,130) and the c10d call [150,390), its gloo
+    span [160,200) on the worker thread, an mm [500,900). By hand: exposed_comm = the call minus the clone
+    = 280 µs (not only the 40 µs of the gloo span), compute 20 + 400, other [0,100) + [400,500) + [900,1000)
+    = 300; the overlap metrics still see the 40 µs gloo span."""
+    ev = [X("ProfilerStep#1", "user_annotation", 0, 1000, 1),
+          X("meshkit:forward_backward", "user_annotation", 0, 1000, 1),
+          X("_c10d_functional::all_reduce", "cpu_op", 100, 300, 1),
+          X("aten::clone", "cpu_op", 110, 20, 1),
+          X("c10d::allreduce_", "cpu_op", 150, 240, 1),
+          X("gloo:all_reduce", "user_annotation", 160, 40, 2),
+          X("aten::mm", "cpu_op", 500, 400, 1)]
+    write_trace(tmp_path / "rank0.pt.trace.json", 0, 1, ev)
+    r = analyze(str(tmp_path))["ranks"]["0"]
+    assert r["buckets_ms"] == pytest.approx({"compute": 0.42, "exposed_comm": 0.28, "bubble": 0.0, "data_wait": 0.0,
+                                             "optimizer": 0.0, "validation": 0.0, "checkpoint": 0.0, "other": 0.3})
+    assert r["exposed_comm_ms"] == pytest.approx(0.04) and r["comm_ms"] == pytest.approx(0.04)

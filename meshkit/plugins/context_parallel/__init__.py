@@ -17,7 +17,8 @@ Rotary embeddings must use each token's *global* position: :func:`shard_batch` r
 
 Modules, each importing only those before it: :mod:`.layout` (chunk layouts, sharding, batches),
 :mod:`.attention` (block math, the three variants, :func:`context_parallel_attention`),
-:mod:`.integration` (:func:`apply_context_parallel`).
+:mod:`.integration` (:func:`apply_context_parallel`), :mod:`.steps` (:func:`step_batch`, :func:`step_loss`: what a
+training loop does differently under cp, for the Trainer's strategy and a Fabric loop alike).
 
 Example (2 ranks, run with torchrun)::
 
@@ -31,7 +32,14 @@ Example (2 ranks, run with torchrun)::
 """
 
 from meshkit.plugins.context_parallel.attention import CP_ATTENTIONS, check_cp_heads, context_parallel_attention
-from meshkit.plugins.context_parallel.integration import apply_context_parallel
+from meshkit.plugins.context_parallel.integration import (
+    apply_context_parallel,
+    check_cp_batch,
+    check_cp_forward,
+    context_parallel_layout,
+    cp_position_ids,
+)
+from meshkit.plugins.context_parallel.steps import step_batch, step_loss
 from meshkit.plugins.context_parallel.layout import (
     CP_LAYOUTS,
     CPBatch,
@@ -60,4 +68,10 @@ __all__ = [
     "CPBatch",
     "per_rank_mean_warning",
     "apply_context_parallel",
+    "check_cp_batch",
+    "check_cp_forward",
+    "context_parallel_layout",
+    "cp_position_ids",
+    "step_batch",
+    "step_loss",
 ]

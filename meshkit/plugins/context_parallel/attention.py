@@ -434,12 +434,16 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
             "context_parallel_attention: q, k, v must be (B, H, T_local, D) with k and v the same shape; got "
-            f"`q.shape={tuple(q.shape)}`, `k.shape={tuple(k.shape)}`, `v.shape={tuple(v.shape)}`."
+            f"`q.shape={tuple(q.shape)}`, `k.shape={tuple(k.shape)}`, `v.shape={tuple(v.shape)}` (value heads of "
+            "another width than the query/key heads, as multi-head latent attention has them, are not implemented). "
+            "Train this model without cp (cp=1)."
         )
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"context_parallel_attention: `q.shape={tuple(q.shape)}` and `k.shape={tuple(k.shape)}` must share B, "
-            "T_local and D, and the kv heads must divide the query heads."
+            "T_local and D, and the kv heads must divide the query heads (a family attending over keys of another "
+            "length than its queries, e.g. extra memory tokens, is not implemented). Train this model without cp "
+            "(cp=1)."
         )
     check_layout(cp * q.shape[2], cp, layout, "seq_len")
     # q and k carry this TP rank's heads already: tp=None.

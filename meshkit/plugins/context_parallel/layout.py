@@ -215,7 +215,9 @@ def _refuse_unshifted_labels(tokens: torch.Tensor, labels: Any, seq_dim: int) ->
         )
 
 
-def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "load_balanced") -> dict[str, torch.Tensor]:
+def shard_batch(
+    batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "load_balanced", position_ids: Any = None
+) -> dict[str, torch.Tensor]:
     """This cp rank's part of a batch: ``{"input_ids", "labels", "positions", ...}`` sharded along ``seq_dim``.
 
     ``batch`` is a dict with ``input_ids`` (and usually ``labels``, already shifted; ``positions``/``position_ids``
@@ -223,7 +225,11 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     A dict without ``labels`` gets none, but its ``input_ids`` carry the next tokens of the whole sequence for
     transformers' ``labels=batch["input_ids"]`` (see :func:`~meshkit.plugins.context_parallel.apply_context_parallel`).
     Every tensor entry whose size at ``seq_dim`` equals the sequence length is sharded; ``positions``
-    (B, T/cp) hold the global positions of the local tokens. With ``cp == 1`` nothing is cut.
+    (B, T/cp) hold the global positions of the local tokens: 0..T-1 cut, or where given ``position_ids(input_ids)``
+    of the whole (B, T) sequence (a family's own rule, e.g. RoBERTa's padding offset:
+    ``meshkit.plugins.context_parallel.integration.cp_position_ids(model)``). The positions made here also ride on
+    the local ``input_ids`` tensor, where :func:`~meshkit.plugins.context_parallel.apply_context_parallel`'s
+    position hook reads them. With ``cp == 1`` nothing is cut.
 
     Example::
 
@@ -252,9 +258,11 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
     seq_len = tokens.shape[seq_dim]
     check_layout(seq_len, cp, layout, f"input_ids.shape[{seq_dim}]", note)
     out = CPBatch(batch)
-    if not any(key in batch for key in POSITION_KEYS):
+    made = not any(key in batch for key in POSITION_KEYS)
+    if made:
         shape = tokens.shape[: seq_dim + 1]
-        out["positions"] = torch.arange(seq_len, device=tokens.device).expand(shape)
+        whole = position_ids(tokens) if position_ids is not None else None
+        out["positions"] = whole if whole is not None else torch.arange(seq_len, device=tokens.device).expand(shape)
     for key, value in out.items():
         if isinstance(value, torch.Tensor) and value.dim() > seq_dim and value.shape[seq_dim] == seq_len:
             out[key] = shard_sequence(value, rank, cp, seq_dim, layout)
@@ -280,6 +288,8 @@ def shard_batch(batch: Any, cp_mesh: Group, seq_dim: int = 1, layout: str = "loa
         if isinstance(out.get(key), torch.Tensor):
             out[key]._meshkit_cp_shifted = local
             mark_items(out[key], counts.sum() / cp)
+    if made and isinstance(out["input_ids"], torch.Tensor):
+        out["input_ids"]._meshkit_cp_positions = out["positions"]
     return out
 
 

@@ -80,9 +80,7 @@ class PipelineHooks:
         split_points: list[int] | None = None,
         timeline_dir: str | None = None,
     ) -> None:
-        resolve_virtual_stages(schedule, virtual_stages)  # raise on a bad config at construction
-        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-            raise ValueError(f"NDParallelStrategy: `pp_microbatches={microbatches!r}` must be a positive int.")
+        # checked once by meshkit.plugins.options.NDParallelOptions (the strategy's settings)
         self.schedule, self.microbatches, self.virtual_stages = schedule.lower(), microbatches, virtual_stages
         self.split_points, self.timeline_dir = split_points, timeline_dir
         self.active = False
@@ -100,6 +98,7 @@ class PipelineHooks:
     def _split(self, dims: ParallelDims, lm: nn.Module) -> tuple[nn.Module, Callable[[], list[nn.Module]]]:
         """Put this rank's rank module in place of ``lm``'s model; return it and its stage views' builder."""
         attr, model = _find_model(lm)
+        self.model_attr = f"self.{attr}"  # what the stages hold (a strategy check names it)
         self.group = dims.mesh["pp"].get_group()
         pp, pp_rank = dims.pp, dims.mesh["pp"].get_local_rank()
         spec = schedule_spec(self.schedule)

@@ -25,6 +25,7 @@ from meshkit.schedules import (
     canonical_schedule,
     microbatches_problem,
     min_microbatches,
+    recommended_microbatches,
     resolve_virtual_stages,
     theoretical_bubble,
 )
@@ -141,9 +142,9 @@ def resolve_microbatches(
             raise ValueError(
                 f"pipeline: no micro-batch count suits `batch_size={batch_size}` with `pp_schedule={schedule!r}`, "
                 f"`pp={pp}`, `pp_virtual_stages={v}`: it needs at least {low} equal micro-batches. "
-                f"Use a per-rank batch size that is a multiple of {max(low, 2 * pp)}."
+                f"Use a per-rank batch size that is a multiple of {max(low, recommended_microbatches(pp))}."
             )
-        big = [m for m in fits if m >= 2 * pp]
+        big = [m for m in fits if m >= recommended_microbatches(pp)]  # meshkit's one micro-batch rule
         m = big[0] if big else fits[-1]
     else:
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
@@ -157,7 +158,8 @@ def resolve_microbatches(
         warnings.warn(
             f"pipeline: `pp_microbatches={m}` is below `pp={pp}`: each rank idles for about "
             f"{theoretical_bubble(schedule, pp, m, v):.0%} of the step (theoretical bubble). "
-            f"Use m >= {2 * pp} micro-batches to bring it under {theoretical_bubble(schedule, pp, 2 * pp, v):.0%}.",
+            f"Use m >= {recommended_microbatches(pp)} micro-batches to bring it under "
+            f"{theoretical_bubble(schedule, pp, recommended_microbatches(pp), v):.0%}.",
             UserWarning,
             stacklevel=2,
         )

@@ -11,6 +11,10 @@ A ModuleList of blocks becomes a ModuleDict keyed by the original indices for th
 The model's own forward usually does not skip None modules, so each stage gets a *stage forward*
 bound as its instance ``forward`` (:data:`STAGE_FORWARDS`): it takes the first stage's inputs (token
 ids) or the previous stage's hidden states and returns hidden states, or logits on the last stage.
+A transformers causal LM's stage forward runs the family's own ``forward`` (never a re-implementation
+of its math), and :func:`check_stage_forward` proves that on the family's tiny twin before anything is
+split, or refuses the model naming what differs and the fixes (a ``pipeline_stage_forward`` hook, or
+``configure_model``).
 """
 
 from __future__ import annotations
@@ -55,42 +59,66 @@ def _meshkit_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.output(h) if self.output is not None else h
 
 
-def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF ``*ForCausalLM`` (Llama family): input ids or hidden states -> hidden states or logits.
+class _StageExit(Exception):
+    """Raised by the first block position past this stage's blocks: carries the stage's output hidden states."""
 
-    The attention masks and rotary embeddings are rebuilt on every stage from positions 0..T-1,
-    exactly as the family's ``*Model.forward`` builds them without padding or cache: per layer type
-    where the config lists ``layer_types`` (Qwen2/3: full or sliding), a sliding-window mask for every
-    layer where the config sets ``sliding_window`` without them (Mistral, Phi-3), else causal (Llama).
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+class _Elsewhere(nn.Module):
+    """Stands, for one forward, at the block positions another stage holds.
+
+    Before this stage's blocks it returns the stage's input (the previous stage's hidden states, whatever the
+    family computed from its placeholder embeddings); after them it ends the forward with the hidden states it
+    is handed (:class:`_StageExit`).
+    """
+
+    def __init__(self, stage_input: torch.Tensor | None, attention_type: str | None) -> None:
+        super().__init__()
+        self.stage_input = stage_input
+        self.attention_type = attention_type  # what a family's loop may read off a block (its layer type)
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.stage_input is None:
+            raise _StageExit(hidden_states)
+        return self.stage_input
+
+
+def _hf_stage_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF ``*ForCausalLM``: input ids or hidden states -> hidden states or logits, by the family's own forward.
+
+    The family's ``forward`` (``type(self).forward``: its embedding-side work, masks, rotary tables per layer
+    type, its loop over ``model.layers``, final norm, head and head-side work such as a logit scale or a
+    soft-cap) runs with ``model.layers`` set, for this call, to the full-length list of block positions:
+    this stage's blocks at their own indices and :class:`_Elsewhere` at the others. A stage after the first
+    is called with zero ``inputs_embeds`` of the incoming shape (its embedding is None) and the positions
+    before its blocks hand on ``x``; a stage before the last ends at the first position past its blocks.
+    Nothing of the family's math is re-implemented; what this cannot reproduce (a forward that reads the
+    token ids past the embedding, or carries more than the hidden states between blocks) is found by
+    :func:`check_stage_forward` on the family's tiny twin, which refuses it.
     """
     inner = self.model
-    h = inner.embed_tokens(x) if inner.embed_tokens is not None else x  # (B, T, D)
-    pos = torch.arange(h.shape[1], device=h.device)[None]  # (1, T)
-    masks = _hf_layer_masks(inner.config, h, pos, inner.layers.keys())
-    pos_emb = inner.rotary_emb(h, position_ids=pos)
-    for key, layer in inner.layers.items():
-        h = layer(h, attention_mask=masks[key], position_embeddings=pos_emb, position_ids=pos)
-    if inner.norm is not None:
-        h = inner.norm(h)
-    return self.lm_head(h) if self.lm_head is not None else h
-
-
-def _hf_layer_masks(config: object, h: torch.Tensor, pos: torch.Tensor, keys: object) -> dict[str, object]:
-    """Each block's attention mask (by its original index ``key``), as the HF family's model builds it."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        kinds = {k: layer_types[int(k)] for k in keys}
-    else:
-        kind = "full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"
-        kinds = {k: kind for k in keys}
-    built = {
-        kind: builders[kind](config=config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos)
-        for kind in set(kinds.values())
-    }
-    return {k: built[kind] for k, kind in kinds.items()}
+    stored = inner._modules["layers"]  # the ModuleDict of this stage's blocks, keyed by their original index
+    present = sorted(int(k) for k in stored.keys())
+    total = getattr(self, "_meshkit_num_blocks", None) or int(inner.config.num_hidden_layers)
+    kinds = getattr(inner.config, "layer_types", None) or [None] * total
+    stage_input = x if inner.embed_tokens is None else None
+    positions = [
+        stored[str(i)] if str(i) in stored else _Elsewhere(stage_input if i < present[0] else None, kinds[i])
+        for i in range(total)
+    ]
+    first = inner.embed_tokens is not None
+    inputs = dict(input_ids=x) if first else dict(inputs_embeds=torch.zeros_like(x))
+    inner._modules["layers"] = nn.ModuleList(positions)
+    try:
+        out = type(self).forward(self, **inputs, use_cache=False)
+    except _StageExit as done:
+        return done.hidden
+    finally:
+        inner._modules["layers"] = stored
+    return out.logits
 
 
 STAGE_FORWARDS: dict[str, Callable[..., torch.Tensor]] = {
@@ -139,6 +167,25 @@ def _unsplittable(model: nn.Module, why: str) -> ValueError:
     )
 
 
+_HF_PATHS = ("model.embed_tokens", "model.layers", "model.norm", "lm_head")
+
+
+def _is_hf_causal_lm(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "num_hidden_layers") and all(_has(model, p) for p in _HF_PATHS)
+
+
+def _hf_stack(model: nn.Module) -> LayerStack:
+    return _checked_stack(model, "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "hf_causal_lm")
+
+
+def _checked_stack(model: nn.Module, blocks: str, first: tuple[str, ...], last: tuple[str, ...], family: str) -> LayerStack:
+    container = model.get_submodule(blocks)
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _same_class_children(container):
+        raise _unsplittable(model, f"`{blocks}` is not a ModuleList/ModuleDict of at least 2 blocks of one class")
+    names = tuple(container.keys()) if isinstance(container, nn.ModuleDict) else tuple(str(i) for i in range(len(container)))
+    return LayerStack(blocks, names, first, last, family)
+
+
 def find_layer_stack(model: nn.Module) -> LayerStack:
     """Locate the repeated blocks, the pre-block and the post-block modules of ``model``.
 
@@ -150,23 +197,112 @@ def find_layer_stack(model: nn.Module) -> LayerStack:
 
     if isinstance(model, Transformer):
         blocks, first, last, family = "layers", ("tok_embeddings",), ("norm", "output"), "meshkit"
-    elif all(_has(model, p) for p in ("model.embed_tokens", "model.layers", "model.norm", "lm_head", "model.rotary_emb")):
-        blocks, first, last, family = "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "hf_causal_lm"
+    elif _is_hf_causal_lm(model):
         head, emb = model.get_submodule("lm_head"), model.get_submodule("model.embed_tokens")
         if getattr(head, "weight", None) is not None and head.weight is getattr(emb, "weight", None):
             raise ValueError(
                 f"pipeline: `model` ({type(model).__name__}) ties lm_head.weight to model.embed_tokens.weight, but the "
                 "embedding lives on the first stage and the head on the last. Build it with `tie_word_embeddings=False`."
             )
+        if hasattr(model, "pipeline_stage_forward"):  # the family's own stage hook: it answers for itself
+            return _checked_stack(model, "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"), "native")
+        stack = _hf_stack(model)
+        check_stage_forward(model)
+        return stack
     elif all(_has(model, p) for p in ("tok_embeddings", "layers", "norm", "output")):
         blocks, first, last, family = "layers", ("tok_embeddings",), ("norm", "output"), "native"
     else:
         raise _unsplittable(model, "its layout is not one meshkit knows")
-    container = model.get_submodule(blocks)
-    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or not _same_class_children(container):
-        raise _unsplittable(model, f"`{blocks}` is not a ModuleList/ModuleDict of at least 2 blocks of one class")
-    names = tuple(container.keys()) if isinstance(container, nn.ModuleDict) else tuple(str(i) for i in range(len(container)))
-    return LayerStack(blocks, names, first, last, family)
+    return _checked_stack(model, blocks, first, last, family)
+
+
+# ---- the proof on the family's tiny twin ---------------------------------------------------------------------
+
+_CHECKED: dict[tuple[type, str], str | None] = {}
+
+
+def check_stage_forward(model: nn.Module) -> None:
+    """Refuse an HF causal LM whose stages would not compute its own forward, before anything is split.
+
+    Builds the family's tiny twin (:func:`meshkit.families.tiny_twin`: same class, 2 layers, float64), cuts it
+    into two stages of one block and compares, on fixed token ids, the first stage's output with the output of
+    ``model.layers.0`` in the twin's own forward and the chained logits with its own logits. A mismatch, or any
+    error the stage forward raises, is a ``ValueError`` naming the class, the side that differs and the fixes.
+    One check per class and config.
+
+    >>> import transformers
+    >>> check_stage_forward(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    ...     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)))
+    """
+    key = (type(model), model.config.to_json_string(use_diff=False))
+    if key not in _CHECKED:
+        _CHECKED[key] = _stage_forward_mismatch(model)
+    if _CHECKED[key] is not None:
+        raise ValueError(_CHECKED[key])
+
+
+def _stage_forward_mismatch(model: nn.Module) -> str | None:
+    from meshkit.families.twin import TWIN_RTOL, TWIN_RTOL_FLOAT32, relative_error, tiny_twin
+
+    name = type(model).__name__
+    head = f"pipeline: meshkit cannot show that its stages of `{name}` compute {name}.forward"
+    fix = (
+        f"Give {name} a per-family stage hook: a subclass defining `pipeline_stage_forward(self, x)` (token ids on "
+        "the first stage or the previous stage's hidden states in; hidden states, or logits on the last stage, out; "
+        "`model.embed_tokens` is None on all stages but the first, `model.norm` and `lm_head` on all but the last, "
+        "`model.layers` holds the stage's blocks by their original index), or parallelize the model yourself in "
+        "`configure_model` without pp."
+    )
+    try:
+        twin = tiny_twin(model)
+        stack = _hf_stack(twin)
+    except Exception as e:  # noqa: BLE001 -- any failure to build the twin means nothing was shown
+        return f"{head}: its 2-layer twin (to check the split on) could not be built ({type(e).__name__}: {e}). {fix}"
+    vocab = int(twin.config.vocab_size)
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(_m: nn.Module, _a: object, out: object) -> None:
+        seen["block0"] = out[0] if isinstance(out, tuple) else out
+
+    first_block = twin.get_submodule(f"{stack.blocks}.{stack.block_names[0]}")
+    rtol = TWIN_RTOL
+    with torch.no_grad():
+        hook = first_block.register_forward_hook(capture)
+        try:
+            try:
+                want = twin(input_ids=ids, use_cache=False).logits
+            except RuntimeError:  # e.g. grouped MoE matmuls have no float64 kernel on CPU: the same check in float32
+                twin, rtol = twin.float(), TWIN_RTOL_FLOAT32
+                want = twin(input_ids=ids, use_cache=False).logits
+        except Exception as e:  # noqa: BLE001
+            return f"{head}: its 2-layer twin's own forward failed ({type(e).__name__}: {e}). {fix}"
+        finally:
+            hook.remove()
+        try:
+            stages = [build_stage_module(twin, stack, i, 2, [1]) for i in (0, 1)]
+            mid = stages[0](ids)
+            got = stages[1](mid)
+        except Exception as e:  # noqa: BLE001 -- e.g. a rotary embedding or a block taking arguments meshkit does not pass
+            return f"{head}: on its 2-layer twin the stage forward raised {type(e).__name__}: {e}. {fix}"
+
+    off = relative_error
+    block0 = f"{stack.blocks}.{stack.block_names[0]}"
+    if "block0" not in seen or off(mid, seen["block0"]) > rtol:
+        err = off(mid, seen["block0"]) if "block0" in seen else float("nan")
+        return (
+            f"{head}: on its 2-layer twin the first stage's output differs from `{block0}`'s output in the "
+            f"model's own forward (relative error {err:.1e}): its forward passes {block0} more than the embedding "
+            f"side's hidden states, or its blocks return more than them. {fix}"
+        )
+    if off(got, want) > rtol:
+        return (
+            f"{head}: on its 2-layer twin the chained stages' logits differ from the model's own "
+            f"(relative error {off(got, want):.1e}) while the first stage agrees with `{block0}`: a later stage "
+            "does not see what the model's own forward hands its later blocks, norm or `lm_head` (e.g. the token "
+            f"ids, or state carried beside the hidden states). {fix}"
+        )
+    return None
 
 
 # ---- cost model and balanced split -------------------------------------------------------------------------
@@ -282,6 +418,7 @@ def _stage_blocks(stack: LayerStack, stage: int, split_points: list[int]) -> set
 
 
 def _bind_stage_forward(module: nn.Module, stack: LayerStack) -> nn.Module:
+    module._meshkit_num_blocks = len(stack.block_names)  # the block positions the family's own loop walks
     if stack.family in STAGE_FORWARDS:
         module.forward = types.MethodType(STAGE_FORWARDS[stack.family], module)
     elif hasattr(module, "pipeline_stage_forward"):

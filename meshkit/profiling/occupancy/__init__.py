@@ -24,7 +24,7 @@ Nothing here imports triton until a kernel is compiled or the callback is instal
 
 from __future__ import annotations
 
-from meshkit.profiling.occupancy.arch import ARCHS, GPUS, ArchSpec, GpuModel, resolve_arch
+from meshkit.profiling.occupancy.arch import ARCHS, GPUS, ArchSpec, resolve_arch
 from meshkit.profiling.occupancy.cli import configure_parser, run_cli
 from meshkit.profiling.occupancy.compile import KernelCompileError, KernelResources
 from meshkit.profiling.occupancy.report import (KernelReport, TritonKernelReport, kernel_occupancy,
@@ -38,7 +38,6 @@ __all__ = [
     "GPUS",
     "LIMITERS",
     "ArchSpec",
-    "GpuModel",
     "GridWaves",
     "KernelCompileError",
     "KernelReport",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu
 
-__all__ = ["ARCHS", "GPUS", "ArchSpec", "GpuModel", "resolve_arch"]
+__all__ = ["ARCHS", "GPUS", "ArchSpec", "resolve_arch"]
 
 _KIB = 1024
 
@@ -94,24 +94,11 @@ ARCHS: dict[str, ArchSpec] = {
 """Architecture table, keyed by ``"sm_XY"``."""
 
 
-@dataclass(frozen=True)
-class GpuModel:
-    """A GPU product: its architecture and SM count (a view of a :class:`meshkit.hardware.Gpu` row)."""
-
-    name: str
-    arch: str
-    sms: int
-    source: str
-
-
-def _model(row: Gpu) -> GpuModel:
-    return GpuModel(row.name, row.arch, row.sms, row.sm_source)
-
-
 _SM_FACTS = ("arch", "sms")
 
-GPUS: dict[str, GpuModel] = {row.name: _model(row) for row in CATALOG if row.arch and row.sms}
-"""SM counts per GPU model: the rows of meshkit's GPU catalog (:data:`meshkit.hardware.CATALOG`) that know them."""
+GPUS: dict[str, Gpu] = {row.name: row for row in CATALOG if row.arch and row.sms}
+"""The rows of meshkit's GPU catalog (:class:`meshkit.hardware.Gpu`, one record type) that know their
+architecture and SM count (``arch``, ``sms``, ``sm_source``), by name."""
 
 
 def resolve_arch(arch: str | int) -> ArchSpec:
@@ -140,8 +127,7 @@ def _gpu_arch(name: str) -> str:
     return gpu.arch
 
 
-def _find_gpu(name: str) -> GpuModel | None:
-    row = find_gpu(name, has=_SM_FACTS)
-    return _model(row) if row is not None else None
+def _find_gpu(name: str) -> Gpu | None:
+    return find_gpu(name, has=_SM_FACTS)
 
 

@@ -36,8 +36,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--signature", help='argument types, e.g. "X=*fp32,W=*fp32,N=i32"')
     parser.add_argument("--constexpr", action="append", default=[], metavar="NAME=VALUE",
                         help="a tl.constexpr value (repeatable)")
-    parser.add_argument("--num-warps", help="comma list, e.g. 4,8 (default: autotune configs, else 4)")
-    parser.add_argument("--num-stages", help="comma list (default: autotune configs, else 3)")
+    parser.add_argument("--num-warps", help="comma list, e.g. 4,8 (default: the launch's own or autotune configs, else 4)")
+    parser.add_argument("--num-stages", help="comma list (default: the launch's own or autotune configs, else 3)")
     parser.add_argument("--arch", default="sm_80,sm_90",
                         help=f"comma list of archs or GPU models ({', '.join(ARCHS)}; {', '.join(GPUS)})")
     parser.add_argument("--grid", help="blocks, e.g. 4096 or 64x32: adds waves and tail per GPU model")
@@ -152,9 +152,3 @@ def _run(args: argparse.Namespace) -> list[KernelReport]:
         raise ValueError("--signature is required for a named kernel, e.g. --signature 'X=*fp32,N=i32'.")
     return kernel_occupancy(kernel, signature=args.signature, constexprs=_parse_constexprs(args.constexpr),
                             **common)
-
-
-if __name__ == "__main__":  # a library module, not a command: it names its verb and exits 2
-    from meshkit.verbs import not_a_command
-
-    not_a_command("meshkit.profiling.occupancy.cli")

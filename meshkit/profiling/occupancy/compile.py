@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -385,7 +386,7 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
                  workers: int | None = None) -> list[list[KernelResources]]:
     """:func:`compile_resources` for several kernels at once: one worker pool and one progress bar."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    tver = _triton_version()
+    tver, fp_fusion = _triton_version(), _default_fp_fusion()
     jobs, results, keys, slots, objects = [], {}, {}, [], {}
     for kernel, sig, configs in entries:
         ref, kname, src_hash = _kernel_ref(kernel), _kernel_name(kernel), _source_hash(kernel)
@@ -397,7 +398,7 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
                     "ref": ref, "kernel": kname, "arch": arch, "num_warps": cfg.num_warps,
                     "num_stages": cfg.num_stages, "types": sig.types,
                     "constexprs": {k: _jsonable(v) for k, v in consts.items()},
-                    "divisible": list(sig.divisible),
+                    "divisible": list(sig.divisible), "enable_fp_fusion": fp_fusion,
                 }
                 key_src = json.dumps({**job, "ref": None, "source": src_hash, "triton": tver}, sort_keys=True)
                 idx = len(keys)
@@ -413,14 +414,35 @@ def compile_many(entries: Sequence[tuple[Any, KernelSignature, Sequence[LaunchCo
                 jobs.append({**job, "id": idx})
                 objects[idx] = kernel
         slots.append(mine)
-    if jobs:
-        for idx, res in _run_workers(jobs, objects, progress, workers):
-            results[idx] = res
-            cache.mkdir(parents=True, exist_ok=True)
-            tmp = cache / f".{keys[idx]}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(asdict(res)))
-            os.replace(tmp, cache / f"{keys[idx]}.json")
+    t0 = time.perf_counter()
+    # a warning raised while the progress bar is drawn would break its line and run into what follows:
+    # held, then shown after the bar is gone, then the finished line (all on stderr; the table is stdout's)
+    try:
+        with warnings.catch_warnings(record=True) as held:
+            for idx, res in _run_workers(jobs, objects, progress, workers) if jobs else ():
+                results[idx] = res
+                cache.mkdir(parents=True, exist_ok=True)
+                tmp = cache / f".{keys[idx]}.{os.getpid()}.tmp"
+                tmp.write_text(json.dumps(asdict(res)))
+                os.replace(tmp, cache / f"{keys[idx]}.json")
+    finally:
+        for w in held:  # through the filters already (catch_warnings keeps them): shown as they came
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+    if progress:
+        print(f"{len(keys)} kernel config(s): {len(jobs)} compiled in {time.perf_counter() - t0:.1f} s, "
+              f"{len(keys) - len(jobs)} from the cache ({cache})", file=sys.stderr, flush=True)
     return [[results[i] for i in mine] for mine in slots]
+
+
+def _default_fp_fusion() -> bool:
+    """FP fusion as Triton's launcher chooses it when a launch names none (triton 3.8 and 3.9: on unless
+    ``TRITON_DEFAULT_FP_FUSION=0`` or 3.9's ``TRITON_FORCE_DISABLE_FP_FUSION=1``), so the offline compile
+    measures what runs. Passed explicitly: left unset, triton 3.9 warns (its FP_FUSION_DEFAULT_WARNING)
+    that it is choosing, a warning about the user's launches that this compile need not raise."""
+    from triton import knobs
+
+    lang = knobs.language
+    return bool(lang.default_fp_fusion) and not bool(getattr(lang, "force_disable_fp_fusion", False))
 
 
 def _worker_env() -> dict[str, str]:
@@ -546,7 +568,9 @@ def _progress_bar(total: int):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="compiling", unit="kernel", file=sys.stderr, leave=False)
+    # disable=None: drawn on a terminal only (in a log or a pipe its carriage returns leave a line of
+    # bar remnants that the next line is glued to); leave=False: erased when done, the finished line follows
+    return tqdm(total=total, desc="compiling", unit="kernel", file=sys.stderr, leave=False, disable=None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -615,7 +639,8 @@ def _compile_one(job: dict, fn: Any, cuobjdump: str) -> dict:
     with contextlib.redirect_stdout(log):
         compiled = triton.compile(ASTSource(fn, sig, job["constexprs"], attrs),
                                   target=GPUTarget("cuda", cap, 32),
-                                  options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]})
+                                  options={"num_warps": job["num_warps"], "num_stages": job["num_stages"],
+                                           "enable_fp_fusion": job["enable_fp_fusion"]})
     seconds = time.perf_counter() - t0
     usage = _cubin_usage(compiled.asm["cubin"], compiled.metadata.name, cuobjdump)
     spills = _SPILL_RE.search(log.getvalue())

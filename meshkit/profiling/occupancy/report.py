@@ -28,6 +28,7 @@ from meshkit.profiling.occupancy.compile import KernelResources, build_signature
 from meshkit.profiling.occupancy.theory import (LIMITERS, GridWaves, Occupancy, grid_waves,
                                                 theoretical_occupancy)
 from meshkit.profiling.report import text_table
+from meshkit.quiet import quiet_lightning_pytree
 
 __all__ = [
     "KernelReport",
@@ -79,6 +80,17 @@ class KernelReport:
     shared_bytes = _resource("shared_bytes")
     cached = _resource("cached")
 
+    @property
+    def hint(self) -> str:
+        """What to change first: the spills if there are any (they cost more than occupancy: every spilled value
+        is a store and a load through local memory, i.e. the L1/L2 and DRAM), then the occupancy hint."""
+        if not self.spill_bytes:
+            return self.occupancy.hint
+        return (f"spills {self.spill_bytes} B of registers per thread to local memory "
+                f"({self.registers_per_thread} registers live): fix this first, with fewer live values per thread "
+                f"(a smaller BLOCK, fewer num_stages, or num_warps above {self.num_warps} to spread the tile); "
+                f"then: {self.occupancy.hint}")
+
     def to_dict(self) -> dict[str, Any]:
         """Flat JSON-able record (the ``--json`` shape)."""
         occ = self.occupancy
@@ -92,7 +104,7 @@ class KernelReport:
             "dynamic_shared_bytes": self.dynamic_shared_bytes,
             "active_blocks_per_sm": occ.active_blocks_per_sm, "active_warps_per_sm": occ.active_warps_per_sm,
             "max_warps_per_sm": occ.max_warps_per_sm, "occupancy": occ.occupancy, "limiter": occ.limiter,
-            "block_limits": dict(occ.block_limits), "hint": occ.hint,
+            "block_limits": dict(occ.block_limits), "hint": self.hint,
             "waves": [{k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                        for k, v in dataclasses.asdict(w).items()} for w in self.waves],
         }
@@ -139,6 +151,16 @@ def kernel_occupancy(
                            gpus=gpus, cache_dir=cache_dir, progress=progress)
 
 
+def _override(configs: Sequence[Any], **given: int | Sequence[int] | None) -> list[Any]:
+    """A spec's configs with the caller's num_warps / num_stages (each value given) in place of their own."""
+    lists = {k: [v] if isinstance(v, int) else list(v) for k, v in given.items() if v is not None}
+    out = [c for c in configs]
+    for key, values in lists.items():
+        out = [{**(dict(c) if isinstance(c, Mapping) else {"num_warps": c.num_warps, "num_stages": c.num_stages,
+                                                            **c.kwargs}), key: v} for c in out for v in values]
+    return out
+
+
 def sweep_occupancy(
     specs: Sequence[Mapping[str, Any]],
     *,
@@ -154,7 +176,8 @@ def sweep_occupancy(
 
     Each spec is a dict with ``kernel`` and ``signature`` (or ``args``), optional ``constexprs``,
     ``configs`` and ``name`` (the reports' kernel name; default the function's) — the shape of
-    ``meshkit.kernels.builtin_kernel_specs()``.
+    ``meshkit.kernels.builtin_kernel_specs()``. ``num_warps`` / ``num_stages``, when given, replace that value
+    in each spec's configs (a spec without configs: the grid of both, as :func:`kernel_occupancy`).
 
     >>> specs = [{"kernel": scale, "signature": "X=*fp32,N=i32", "constexprs": {"BLOCK": 1024}},
     ...          {"kernel": matmul, "signature": MM_SIG, "name": "mm"}]  # doctest: +SKIP
@@ -173,8 +196,10 @@ def sweep_occupancy(
         sig = build_signature(kernel, args=spec.get("args"), signature=spec.get("signature"),
                               constexprs=spec.get("constexprs"))
         cfgs = spec.get("configs")
-        launch = launch_configs(kernel, num_warps=None if cfgs is not None else num_warps,
-                                num_stages=None if cfgs is not None else num_stages, configs=cfgs)
+        if cfgs is None:
+            launch = launch_configs(kernel, num_warps=num_warps, num_stages=num_stages)
+        else:
+            launch = launch_configs(kernel, configs=_override(cfgs, num_warps=num_warps, num_stages=num_stages))
         entries.append((kernel, sig, launch))
     measured = compile_many(entries, [s.name for s in arch_specs], cache_dir=cache_dir, progress=progress)
     reports = []
@@ -199,7 +224,7 @@ def occupancy_text(reports: Sequence[KernelReport]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(str(x).rjust(w) for x, w in zip(row, widths)) for row in [head, *rows]]
     for r in reports:
-        lines.append(f"{r.kernel} {r.arch} w{r.num_warps} s{r.num_stages}: {r.occupancy.hint}")
+        lines.append(f"{r.kernel} {r.arch} w{r.num_warps} s{r.num_stages}: {r.hint}")
         for w in r.waves:
             lines.append(f"    {w.gpu}: {w.blocks} blocks, {w.blocks_per_wave}/wave -> {w.waves:.2f} waves, "
                          f"tail {w.tail_utilisation:.0%}, efficiency {w.efficiency:.0%}")
@@ -219,7 +244,7 @@ def _table_rows(reports: Sequence[KernelReport]) -> list[list[str]]:
         rows.append([r.kernel, r.arch, str(r.num_warps), str(r.num_stages), consts, str(r.registers_per_thread),
                      str(r.spill_bytes), str(r.shared_bytes), str(occ.active_blocks_per_sm),
                      f"{occ.active_warps_per_sm}/{occ.max_warps_per_sm}", f"{occ.occupancy:.1%}", occ.limiter,
-                     occ.hint])
+                     r.hint])
     return rows
 
 
@@ -404,6 +429,7 @@ class TritonKernelReport(Callback):
     # -- Lightning hooks ---------------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
+        quiet_lightning_pytree()  # Lightning's own LeafSpec warning, also in a one-device run (meshkit.quiet)
         self.archs = [resolve_arch(a).name for a in (self.archs or self._default_archs())]  # fail early
         self.install()
 

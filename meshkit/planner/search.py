@@ -1,5 +1,5 @@
 """The search: every layout of a cluster for a model, evaluated with the cost terms and ranked; :func:`plan`,
-:func:`plan_for_world` (a running world, restricted to what the strategy supports) and :func:`auto_nd_dims`
+:func:`plan_for_world` (a running world, restricted to what the strategy supports) and :func:`auto_nd_layout`
 (``strategy="auto_nd"``'s glue).
 
 Mesh order is meshkit's default (``dp_replicate, dp_shard, pp, cp, tp``, outermost first), so an axis stays
@@ -7,7 +7,7 @@ inside a node when its degree times the degrees inside it fits in one node.
 
 Example::
 
-    >>> from meshkit.plugins.planner import ModelSpec, plan
+    >>> from meshkit.planner import ModelSpec, plan
     >>> p = plan(ModelSpec(layers=4, hidden=64, heads=4), seq_len=64, global_batch=8, nodes=1,
     ...          gpus_per_node=4, gpu="cpu", memory_gb=1, peak_tflops=0.1)
     >>> p.best.world_size
@@ -23,19 +23,24 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from meshkit.modelspec import read_shape
-from meshkit.schedules import canonical_schedule
-from meshkit.plugins.planner.costs import (
+from meshkit.schedules import canonical_schedule, microbatches_problem
+from meshkit.planner.costs import (
     CALIBRATION,
     DEFAULT_RIDGE,
     GPU_TABLE,
-    SCHEDULES,
+    PLANNED_SCHEDULES,
     GpuSpec,
     _peak_flops,
     attention_efficiency,
+    Calibration,
     bubble_fraction,
     cp_bytes_per_layer,
     dp_bytes_per_step,
-    dp_overlap_tokens,
+    effective_virtual_stages,
+    EAGER_SCORE_BYTES,
+    eager_score_seconds,
+    elementwise_seconds,
+    roofline_efficiency,
     exposed_tp_time,
     gpu_spec,
     inflight_microbatches,
@@ -44,9 +49,12 @@ from meshkit.plugins.planner.costs import (
     pp_comm_ratio,
     ring_time,
     tp_bytes_per_layer,
+    tp_collectives_per_layer,
     tp_comm_ratio,
 )
-from meshkit.plugins.planner.model import (
+from meshkit.planner.explain import ERROR_BAND, LOSSES, _loss_phrase, explain, format_table
+from meshkit.planner.model import (
+    AC_KINDS,
     CHECKPOINTING,
     PIPELINE_SPLITS,
     GiB,
@@ -54,26 +62,20 @@ from meshkit.plugins.planner.model import (
     _check_positive_int,
     activation_bytes_per_layer,
     model_state_bytes,
-    training_flops_per_token,
     stage_layers,
     zero_buffer_bytes,
 )
 
 __all__ = [
-    "LOSSES",
     "Layout",
     "Plan",
     "plan",
     "plan_for_world",
-    "auto_nd_dims",
+    "auto_nd_layout",
     "CPU_NOMINAL_TFLOPS",
-    "ERROR_BAND",
     "LAYOUT_FIELDS",
     "parse_layout",
 ]
-
-
-LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute", "kernels")
 
 
 @dataclass(slots=True)  # ~5,000 per plan: slots make building and ranking them faster
@@ -201,12 +203,16 @@ class Layout:
             out.update(rank=self.rank, vs_best=self.vs_best)
         return {k: _rounded(v) for k, v in out.items()}
 
-    def to_parallel_dims(self) -> Any:
-        """The :class:`~meshkit.plugins.dims.ParallelDims` of this layout."""
-        from meshkit.plugins.dims import ParallelDims
+    @property
+    def degrees(self) -> dict[str, int]:
+        """The five axes' degrees, outermost first (``meshkit.plugins.dims.ParallelDims`` takes them as keywords:
+        :func:`meshkit.plugins.dims.auto_nd_dims` builds the strategy's dims from them).
 
-        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, pp=self.pp, cp=self.cp,
-                            tp=self.tp, world_size=self.world_size)
+        >>> Layout(1, 4, 2, 1, 8, 3, "1f1b", 8, "none").degrees
+        {'dp_replicate': 1, 'dp_shard': 4, 'pp': 2, 'cp': 1, 'tp': 8}
+        """
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "pp": self.pp, "cp": self.cp,
+                "tp": self.tp}
 
 
 def _rounded(value: Any) -> Any:
@@ -243,6 +249,14 @@ class _Ctx:
     splits: tuple[str, ...]
     flash: bool
     sp: bool
+    hbm_bw: float  # bytes/s: the elementwise ops' rate
+    elementwise: float  # Calibration.elementwise_bytes
+    fused_share: float  # Calibration.fused_elementwise
+    fused: bool  # the elementwise ops are fused (torch.compile, Megatron-LM's fused kernels)
+    dp_overlap: bool  # the DP collectives overlap compute (bucketed, prefetched); False: all of it exposed
+    dp_share: float  # Calibration.dp_exposed_share
+    interleave_penalty: float
+    cp_share: float
     max_pp: int
     max_cp: int
     max_tp: int
@@ -253,8 +267,7 @@ class _Ctx:
     def __post_init__(self) -> None:
         mdl = self.model
         self.layer_params, self.vocab_params = mdl.layer_params, mdl.vocab_params
-        self.model_flops = self.batch * self.seq * training_flops_per_token(mdl.matmul_params, mdl.layers,
-                                                                            mdl.hidden, self.seq)
+        self.model_flops = self.batch * self.seq * mdl.flops_per_token(self.seq)  # the profiler's rule
 
     def times(self, cp: int, tp: int) -> "_Compute":
         """Compute seconds per GPU per step for a cp × tp split (cached: many layouts share one)."""
@@ -263,9 +276,22 @@ class _Ctx:
             self._times[key] = _Compute.of(self, cp, tp)
         return self._times[key]
 
-    def link(self, inner: int) -> tuple[float, float]:
-        """(bandwidth, latency) of an axis whose groups span ``inner`` consecutive ranks (degree × inner degrees)."""
-        return self.intra if inner <= self.gpn and self.gpn % inner == 0 else self.inter
+    def link(self, inner: int, degree: int = 1) -> tuple[float, float]:
+        """(bandwidth, latency) of an axis of ``degree`` whose groups span ``inner`` consecutive ranks (degree × inner
+        degrees). Inside a node: NVLink. Across nodes a collective's rings run one channel per NIC (NCCL): a group
+        with k members in each node moves its cross-node traffic over k NICs, k × the per-GPU network bandwidth, up to
+        the NVLink it also crosses (the slowest link of the ring). ``degree`` 1 (a point-to-point send): one NIC."""
+        if inner <= self.gpn and self.gpn % inner == 0:
+            return self.intra
+        stride = inner // degree  # ranks between consecutive members
+        members = max(1, min(degree, self.gpn // stride)) if stride < self.gpn else 1
+        if members == 1:
+            return self.inter
+        return (min(self.intra[0], members * self.inter[0]), self.inter[1])
+
+    def crosses(self, inner: int) -> bool:
+        """True when a group spanning ``inner`` consecutive ranks leaves its node."""
+        return not (inner <= self.gpn and self.gpn % inner == 0)
 
 
 @dataclass
@@ -283,19 +309,37 @@ class _Compute:
     def of(cls, ctx: _Ctx, cp: int, tp: int) -> "_Compute":
         mdl, s = ctx.model, ctx.seq
         mm_eff = matmul_efficiency(mdl, ctx.micro * s / cp, tp, ctx.ridge)
-        at_eff = attention_efficiency(s, cp, ctx.ridge) * ctx.attention_rate
+        # FlashAttention runs at its fitted share of the matmuls' rate; without it the QKᵀ and PV products are batched
+        # GEMMs (s/c × d × s) at the matmuls' rate and the s×s scores stream through memory (eager_score_seconds)
+        at_eff = (attention_efficiency(s, cp, ctx.ridge) * ctx.attention_rate if ctx.flash
+                  else roofline_efficiency(ctx.ridge, s / cp, mdl.head_dim, s))
         per_gpu = ctx.batch * s / ctx.world / ctx.achieved  # seconds per (FLOP per token) at full efficiency
-        attn = mdl.layers * mdl.hidden * s  # the PaLM attention term per token is 12 of these
-        # Recompute per token: selective re-runs the attention core's forward (4·L·h·s), full the whole
-        # forward (2N + 4·L·h·s): Korthikanti et al. 2022 §5. With FlashAttention selective is torchtitan's op-level
-        # SAC, which saves attention and every other matmul and re-runs wk, wo, w3 (activation_bytes_per_layer).
-        selective = (2.0 * mdl.op_sac_recompute_params, 0.0) if ctx.flash else (0.0, 4.0 * attn)
-        extra = {"none": (0.0, 0.0), "selective": selective, "full": (2.0 * mdl.matmul_params, 4.0 * attn)}
-        model = (6.0 * mdl.matmul_params / mm_eff + 12.0 * attn / at_eff) * per_gpu
-        ideal = (6.0 * mdl.matmul_params + 12.0 * attn) * per_gpu
-        recompute = {ac: (mm / mm_eff + at / at_eff) * per_gpu for ac, (mm, at) in extra.items()}
+        attn = mdl.layers * mdl.heads * mdl.head_dim * s  # the PaLM attention term per token is 12 of these
+        # non-matmul work: memory-bound, each GPU's tokens through its layers (elementwise_seconds)
+        elem = elementwise_seconds(mdl, ctx.batch * s * tp / ctx.world, tp, ctx.sp, ctx.elementwise, ctx.hbm_bw)
+        elem *= ctx.fused_share if ctx.fused else 1.0
+        # each GPU holds batch·c·t/world sequences' s/c queries of a/t heads: batch/world sequences' worth of scores
+        scores = (0.0, 0.0) if ctx.flash else tuple(
+            eager_score_seconds(mdl, ctx.batch / ctx.world, s, cp, ctx.hbm_bw, (b,)) for b in EAGER_SCORE_BYTES)
+        elem += sum(scores)
+        # Recompute per token (Korthikanti et al. 2022 §5): full re-runs the whole forward (2N + 4·L·a·d·s); without
+        # FlashAttention selective re-runs the attention core (4·L·a·d·s); with it, selective is the runtime's (every
+        # matmul and attention output kept: only the elementwise ops re-run); torchtitan's op-level SAC re-runs wk,
+        # wo, w3 (activation_bytes_per_layer); each re-runs the elementwise forward, a third of the elementwise time.
+        # The eager attention's score traffic re-runs its forward (EAGER_SCORE_BYTES[0]) whenever the core is recomputed.
+        pointwise = (elem - sum(scores)) / 3 + scores[0]
+        selective = (0.0, 0.0) if ctx.flash else (0.0, 4.0 * attn)
+        extra = {"none": (0.0, 0.0, 0.0), "selective": selective + (pointwise,),
+                 "torchtitan_op": (2.0 * mdl.op_sac_recompute_params, 0.0, pointwise),
+                 "full": (2.0 * mdl.matmul_params, 4.0 * attn, pointwise)}
+        # a causal FlashAttention kernel skips the masked half of the 12·L·a·d·s the FLOP count credits; an eager one
+        # computes the whole s × s score matrix and masks it
+        skip = 0.5 if ctx.flash else 1.0
+        model = (6.0 * mdl.matmul_params / mm_eff + 12.0 * skip * attn / at_eff) * per_gpu + elem
+        ideal = (6.0 * mdl.matmul_params + 12.0 * skip * attn) * per_gpu
+        recompute = {ac: (mm / mm_eff + skip * at / at_eff) * per_gpu + el for ac, (mm, at, el) in extra.items()}
         # attention forward of one layer, one micro-batch, on one GPU: 4·h·s FLOP per token (PaLM's 12·h·s ÷ 3)
-        attention_fwd = 4.0 * mdl.hidden * s * (ctx.micro * s / cp) / tp / (ctx.achieved * at_eff)
+        attention_fwd = 4.0 * skip * mdl.heads * mdl.head_dim * s * (ctx.micro * s / cp) / tp / (ctx.achieved * at_eff)
         return cls(mm_eff, at_eff, {ac: model + r for ac, r in recompute.items()}, recompute, model - ideal,
                    attention_fwd)
 
@@ -362,16 +406,17 @@ def _layouts_for(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int) -> list[Layo
     m = ctx.batch // (b * r * d)
     shard, s_local = d * c, ctx.seq // c
     sp = ctx.sp and t > 1
+    ffn = mdl.ffn if mdl.gated_mlp else None  # None: GPT's 4h GELU MLP (Korthikanti's count)
     per_layer = {ac: activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                                attention_scores=not ctx.flash, checkpointing=ac, ffn=mdl.ffn,
+                                                attention_scores=not ctx.flash, checkpointing=ac, ffn=ffn,
                                                 kv_heads=mdl.kv_heads, dropout=mdl.dropout)
                  for ac in ctx.checkpointing}
     working = dict.fromkeys(ctx.checkpointing, 0.0)
     # the layer being recomputed holds its full activations once (full, and the op-level selective AC)
-    for ac in ("full", "selective") if ctx.flash else ("full",):
+    for ac in ("full", "selective", "torchtitan_op") if ctx.flash else ("full",):
         if ac in working:
             working[ac] = activation_bytes_per_layer(s_local, b, mdl.hidden, mdl.heads, t, sequence_parallel=sp,
-                                                     attention_scores=False, ffn=mdl.ffn, kv_heads=mdl.kv_heads,
+                                                     attention_scores=False, ffn=ffn, kv_heads=mdl.kv_heads,
                                                      dropout=mdl.dropout)
     logits = 8.0 * s_local * b * mdl.vocab / t  # fp32 logits and their gradient for the micro-batch in the loss
     out: list[Layout] = []
@@ -413,15 +458,17 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
     # ---- communication that does not depend on the variant ----
     # TP: 4 (6 with full recompute) ring collectives of 2(t−1) steps per layer per micro-batch; a share
     # ctx.tp_overlap of them hides behind the GEMMs (exposed_tp_time, in the variant loop).
-    tp_link = ctx.link(t)
-    tp_time = {ac: ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full") * layers_stage * m,
-                             (6 if ac == "full" else 4) * layers_stage * m * 2 * (t - 1), *tp_link)
+    tp_link = ctx.link(t, t)
+    tp_time = {ac: ring_time(tp_bytes_per_layer(s_local, b, mdl.hidden, t, recompute=ac == "full",
+                                                parallel_blocks=mdl.parallel_blocks) * layers_stage * m,
+                             tp_collectives_per_layer(ac == "full", mdl.parallel_blocks) * layers_stage * m * 2 * (t - 1),
+                             *tp_link)
                for ac in ctx.checkpointing}
     times = ctx.times(c, t)
     # CP: ring hops hide behind the attention they feed, one step at a time: in forward each of the c − 1 hops
     # (one K,V shard) overlaps one of the c attention steps; in backward each hop carries K, V, dK, dV (twice
     # the bytes) behind a step of the backward (twice the FLOPs). A short chunk exposes the rest of its hop.
-    cp_link = ctx.link(c * t)
+    cp_link = ctx.link(c * t, c)
     cp_layer = cp_bytes_per_layer(ctx.seq, b, mdl.hidden, mdl.heads, mdl.kv_heads, c, t)
     cp_time = ring_time(cp_layer * layers_stage * m, 2 * (c - 1) * layers_stage * m, *cp_link) if c > 1 else 0.0
     cp_exposed = 0.0
@@ -435,23 +482,22 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
     # the issue's forward-pass ratios, at the rate this layout's matmuls run
     rate = ctx.achieved * times.matmul_eff
     tp_ratio = tp_comm_ratio(t, mdl.hidden, rate, tp_link[0])
-    shard_link, rep_link = ctx.link(d * p * c * t), ctx.link(ctx.world)
-    dp_bw = shard_link[0] if shard > 1 else rep_link[0]
-    links = ((t, tp_link), (c, cp_link), (p, pp_link), (d, shard_link), (r, rep_link))
-    cross = sum(1 for n, link in links if n > 1 and link is ctx.inter)
-    overlap_ok = r * d == 1 or ctx.batch * ctx.seq / (r * d) >= dp_overlap_tokens(ctx.achieved, dp_bw)
+    shard_link, rep_link = ctx.link(d * p * c * t, d), ctx.link(ctx.world, r)
+    spans = ((t, t), (c, c * t), (p, p * c * t), (d, d * p * c * t), (r, ctx.world))
+    cross = sum(1 for n, inner in spans if n > 1 and ctx.crosses(inner))
 
     runs: list[tuple[str, int]] = [("none", 1)]
-    if p > 1:  # interleaved needs v·p chunks of ≥ 1 slot and m a multiple of p (Megatron-LM's rule)
+    if p > 1:  # interleaved needs v·p chunks of ≥ 1 slot and an m torch runs (schedules.microbatches_problem)
         slots = mdl.layers + (2 if split == "balanced" else 0)  # the embedding and the output layer take one each
         runs = [(s, 1) for s in ctx.schedules if s != "interleaved_1f1b"] + [
             ("interleaved_1f1b", v) for v in ctx.virtual_stages
-            if "interleaved_1f1b" in ctx.schedules and slots >= p * v and m % p == 0]
+            if "interleaved_1f1b" in ctx.schedules and slots >= p * v
+            and microbatches_problem("interleaved_1f1b", p, v, m) is None]
     zeros = (0,) if shard == 1 else tuple(z for z in ctx.zero_stages if z > 0)
     # what depends on the checkpointing alone, lightest first (see the loop): compute, exposed TP, CP ratio
     checkpointing = [(ac, per_layer[ac], working[ac], times.compute[ac],
                       exposed_tp_time(tp_time[ac], times.compute[ac], ctx.tp_overlap), times.recompute[ac])
-                     for ac in sorted(ctx.checkpointing, key=CHECKPOINTING.index)]
+                     for ac in sorted(ctx.checkpointing, key=AC_KINDS.index)]
     limit, limit_gb, intra = ctx.memory, ctx.memory / GiB, tp_link is ctx.intra
     one_stage = len(stages) == 1
 
@@ -469,6 +515,8 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
         for sched, v in runs:
             inflight = [inflight_microbatches(sched, p, m, v, rank) for _, rank, _, _ in stages]
             bubble = bubble_fraction(sched, p, m, v)
+            if sched == "interleaved_1f1b" and ctx.interleave_penalty > 0:  # few micro-batches: less than v's gain
+                bubble = (p - 1) / (effective_virtual_stages(v, p, m, ctx.interleave_penalty) * m + p - 1)
             # one send forward and one backward per micro-batch per chunk boundary (v per rank when interleaved)
             pp_time = ring_time(pp_bytes_per_boundary(s_local, b, mdl.hidden, t) * m * v, 2 * m * v, *pp_link) \
                 if p > 1 else 0.0
@@ -485,9 +533,14 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
                                        key=sum)
                 memory = states + acts
                 bubble_time = compute * bubble / (1 - bubble)
-                # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3).
-                dp_exposed = max(0.0, dp_time - compute * (1.0 if z == 3 else 2.0 / 3.0))
-                step = compute + bubble_time + tp_exposed + pp_time + cp_exposed + dp_exposed
+                # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3),
+                # all but a share that never hides (Calibration.dp_exposed_share); past what compute hides it is
+                # exposed, and the layout is then not dp_overlap_ok.
+                hide = compute * (1.0 if z == 3 else 2.0 / 3.0) if ctx.dp_overlap else 0.0
+                dp_exposed = max(ctx.dp_share * dp_time, dp_time - hide)
+                overlap_ok = dp_time <= hide
+                cp_lost = cp_exposed + ctx.cp_share * cp_time
+                step = compute + bubble_time + tp_exposed + pp_time + cp_lost + dp_exposed
                 out.append(Layout(
                     r, d, p, c, t, z, sched, m, ac, v, split,
                     model_state_gb=states / GiB, activation_gb=acts / GiB, memory_gb=memory / GiB,
@@ -497,30 +550,11 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
                     matmul_efficiency=times.matmul_eff,
                     attention_efficiency=times.attention_eff, compute_s=compute, step_time_s=step,
                     predicted_mfu=ctx.model_flops / (ctx.world * ctx.peak * step), feasible=memory <= limit,
-                    losses=(bubble_time, tp_exposed, pp_time, cp_exposed, dp_exposed, recompute, times.kernels),
+                    losses=(bubble_time, tp_exposed, pp_time, cp_lost, dp_exposed, recompute, times.kernels),
                 ))
                 if memory <= limit:
                     break
     return out
-
-
-def _loss_phrase(lay: Layout, key: str) -> str:
-    if key == "bubble":
-        return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
-    if key == "tp":
-        where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
-        return f"TP collectives {where} (tp={lay.tp}, forward comm/compute {lay.tp_comm_ratio:.2f})"
-    if key == "pp":
-        return f"PP send/recv (forward comm/compute {lay.pp_comm_ratio:.3f})"
-    if key == "cp":
-        return f"CP ring traffic {lay.cp_comm_ratio:.2f}× compute, not hidden by attention"
-    if key == "dp":
-        group = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "DDP"
-        return f"{group} traffic {lay.dp_comm_ratio:.2f}× compute, not hidden"
-    if key == "kernels":
-        return (f"kernel shapes at cp={lay.cp}, tp={lay.tp} (matmuls at {lay.matmul_efficiency:.0%}, attention at "
-                f"{lay.attention_efficiency:.0%} of the large-shape rate)")
-    return f"{lay.activation_checkpointing} activation recompute"
 
 
 def _rank_key(lay: Layout) -> tuple:
@@ -538,9 +572,6 @@ def _rank_key(lay: Layout) -> tuple:
 
 
 
-ERROR_BAND = 0.05
-"""Predicted step times this close (relative) to the fastest are ties: the calibration's held-out rows miss
-their published MFU by up to a few points (docs/planner.md), so a smaller difference is not a prediction."""
 _TIGHT = 0.9  # a layout using more than this share of the usable memory has little headroom
 
 
@@ -598,9 +629,7 @@ class Plan:
 
     @property
     def explanation(self) -> str:
-        """Why the best layout wins, or why nothing fits (:func:`meshkit.plugins.planner.explain.explain`)."""
-        from meshkit.plugins.planner.explain import explain  # the text layer sits above the search
-
+        """Why the best layout wins, or why nothing fits (:func:`meshkit.planner.explain.explain`)."""
         return explain(self)
 
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
@@ -615,9 +644,7 @@ class Plan:
         return out
 
     def table(self, top: int | None = 10) -> str:
-        """The first ``top`` layouts as a fixed-width table (:func:`meshkit.plugins.planner.explain.format_table`)."""
-        from meshkit.plugins.planner.explain import format_table  # the text layer sits above the search
-
+        """The first ``top`` layouts as a fixed-width table (:func:`meshkit.planner.explain.format_table`)."""
         return format_table(self.layouts[:top])
 
 
@@ -652,7 +679,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
          max_tp: int | None = None, roofline_ridge: float | None = None, ridge_scale: float | None = None,
          comm_efficiency: float | None = None, attention_fraction: float | None = None,
          tp_overlap: float | None = None, layout: str | Mapping[str, Any] | None = None,
-         search: bool = True) -> Plan:
+         search: bool = True, calibration: Calibration | None = None, fused_elementwise: bool = False,
+         hbm_bw_gbs: float | None = None, dp_overlap: bool = True) -> Plan:
     """Enumerate every layout of ``nodes × gpus_per_node`` GPUs for ``model`` and rank them.
 
     ``model`` is a :class:`ModelSpec`, a meshkit ``LlamaConfig``, a Hugging Face config or a model with
@@ -666,8 +694,14 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     the table; 0 turns the shape model off); fused attention at ``attention_fraction`` of the matmuls' rate.
     Collectives run at ``comm_efficiency`` of the link bandwidths; a share ``tp_overlap`` of the TP collectives
     hides behind the GEMMs (:func:`exposed_tp_time`).
-    ``achieved_fraction``, ``ridge_scale``, ``attention_fraction``, ``comm_efficiency`` and ``tp_overlap`` default to :data:`CALIBRATION`, fitted to
-    published runs. ``zero_stage``, ``schedule`` and
+    ``achieved_fraction``, ``ridge_scale``, ``attention_fraction``, ``comm_efficiency`` and ``tp_overlap`` default to
+    ``calibration`` (:data:`CALIBRATION` when None), fitted to published runs; so do its other terms (the GPU's own
+    GEMM efficiency, attention without FlashAttention, the elementwise traffic, DP and CP exposed shares, the
+    interleaved bubble with few micro-batches). ``fused_elementwise``: the elementwise ops are fused
+    (torch.compile, Megatron-LM's fused kernels). ``dp_overlap=False``: the data-parallel collectives run after the
+    backward, none of them behind compute (e.g. a DDP without bucketed overlap); every layout with DP traffic is then
+    not ``dp_overlap_ok`` and pays all of it. ``hbm_bw_gbs`` overrides the GPU's memory bandwidth (GB/s; the
+    elementwise ops' rate and the default ridge), e.g. torchtitan's H100s with 2.4 TB/s HBM2e. ``zero_stage``, ``schedule`` and
     ``activation_checkpointing`` fix a choice or (None / "auto") let the planner try each.
     ``pipeline_split`` is how a pipeline spreads the blocks (:func:`stage_layers`): "even" (the default), "balanced"
     (the embedding and the output layer take a block's slot each, as Llama 3 trained), a list, or "auto" (both).
@@ -703,11 +737,20 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         )
     if not 0 <= memory_margin < 1:
         raise ValueError(f"plan: `memory_margin={memory_margin}` must be in [0, 1), e.g. 0.1 for 10%.")
-    achieved_fraction = CALIBRATION.achieved_fraction if achieved_fraction is None else achieved_fraction
-    ridge_scale = CALIBRATION.ridge_scale if ridge_scale is None else ridge_scale
-    comm_efficiency = CALIBRATION.comm_efficiency if comm_efficiency is None else comm_efficiency
-    attention_fraction = CALIBRATION.attention_fraction if attention_fraction is None else attention_fraction
-    tp_overlap = CALIBRATION.tp_overlap if tp_overlap is None else tp_overlap
+    cal = CALIBRATION if calibration is None else calibration
+    try:
+        spec: GpuSpec | None = gpu_spec(gpu)
+    except ValueError:
+        if memory_gb is None:  # a device outside the table needs its memory; links default to 450 / 50 GB/s
+            raise
+        spec = None
+    achieved_fraction = cal.gemm_fraction(spec.name if spec else None) if achieved_fraction is None \
+        else achieved_fraction
+    ridge_scale = cal.ridge_scale if ridge_scale is None else ridge_scale
+    comm_efficiency = cal.comm_efficiency if comm_efficiency is None else comm_efficiency
+    attention_fraction = cal.attention_share(spec.name if spec else None) if attention_fraction is None \
+        else attention_fraction
+    tp_overlap = cal.tp_overlap if tp_overlap is None else tp_overlap
     if not 0 <= tp_overlap <= 1:
         raise ValueError(f"plan: `tp_overlap={tp_overlap}` must be in [0, 1] (the share of TP traffic hidden behind "
                          "the GEMMs; 0: all exposed).")
@@ -720,12 +763,6 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
     for name, value in (("max_tp", max_tp), ("max_pp", max_pp), ("max_cp", max_cp)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"plan: `{name}={value!r}` must be an int >= 1 (1 turns the axis off; omit it for no cap).")
-    try:
-        spec: GpuSpec | None = gpu_spec(gpu)
-    except ValueError:
-        if memory_gb is None:  # a device outside the table needs its memory; links default to 450 / 50 GB/s
-            raise
-        spec = None
     mem = float(memory_gb if memory_gb is not None else spec.memory_gb)
     intra = float(intra_bw_gbs if intra_bw_gbs is not None else spec.intra_bw_gbs if spec else 450.0)
     inter = float(inter_bw_gbs if inter_bw_gbs is not None else spec.inter_bw_gbs if spec else 50.0)
@@ -739,8 +776,11 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
             f"plan: `achieved_tflops={achieved / 1e12:g}` must be in (0, peak={peak / 1e12:g}] TFLOP/s "
             f"for `gpu={gpu!r}`."
         )
+    hbm = float(hbm_bw_gbs) if hbm_bw_gbs is not None else spec.hbm_bw_gbs if spec is not None else None
+    if hbm is not None and not hbm > 0:
+        raise ValueError(f"plan: `hbm_bw_gbs={hbm_bw_gbs}` must be > 0 (GB/s).")
     if roofline_ridge is None:
-        roofline_ridge = peak / (spec.hbm_bw_gbs * 1e9) if spec is not None else DEFAULT_RIDGE
+        roofline_ridge = peak / (hbm * 1e9) if hbm is not None else DEFAULT_RIDGE
     if not roofline_ridge >= 0:
         raise ValueError(f"plan: `roofline_ridge={roofline_ridge}` must be >= 0 FLOP/byte (0: no kernel-shape model).")
     auto_ac = CHECKPOINTING
@@ -752,11 +792,16 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
         ridge=float(roofline_ridge) * ridge_scale, attention_rate=attention_fraction, tp_overlap=tp_overlap,
         optimizer_bytes=optimizer_bytes,
         zero_stages=_as_tuple(zero_stage, (0, 1, 2, 3), "zero_stage", (1, 2, 3)),
-        schedules=_as_tuple(_canonical_schedules(schedule), SCHEDULES, "schedule", SCHEDULES),
-        checkpointing=_as_tuple(activation_checkpointing, CHECKPOINTING, "activation_checkpointing", auto_ac),
+        schedules=_as_tuple(_canonical_schedules(schedule), PLANNED_SCHEDULES, "schedule", PLANNED_SCHEDULES),
+        checkpointing=_as_tuple(activation_checkpointing, AC_KINDS, "activation_checkpointing", auto_ac),
         virtual_stages=tuple(virtual_stages),
         splits=_as_tuple(pipeline_split, PIPELINE_SPLITS, "pipeline_split", PIPELINE_SPLITS),
         flash=flash_attention, sp=sequence_parallel,
+        hbm_bw=(hbm if hbm is not None else peak / DEFAULT_RIDGE / 1e9) * 1e9,
+        elementwise=cal.elementwise_bytes,
+        fused_share=cal.fused_elementwise, fused=fused_elementwise, dp_overlap=dp_overlap,
+        dp_share=cal.dp_exposed_share,
+        interleave_penalty=cal.interleave_penalty, cp_share=cal.cp_exposed_share,
         max_pp=max_pp or world, max_cp=max_cp or world, max_tp=max_tp or world,
     )
     named_fields = parse_layout(layout) if layout is not None else None
@@ -776,7 +821,8 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
               "peak_tflops": peak / 1e12, "achieved_tflops": achieved / 1e12, "roofline_ridge": roofline_ridge,
               "ridge_scale": ridge_scale, "comm_efficiency": comm_efficiency,
               "attention_fraction": attention_fraction, "tp_overlap": tp_overlap, "optimizer_bytes": optimizer_bytes,
-              "sequence_parallel": sequence_parallel, "pipeline_split": list(ctx.splits),
+              "sequence_parallel": sequence_parallel, "flash_attention": flash_attention,
+              "fused_elementwise": fused_elementwise, "dp_overlap": dp_overlap, "pipeline_split": list(ctx.splits),
               "dropout": mdl.dropout, "ffn_derived": mdl.ffn_derived}
     result = Plan(layouts, rejected, inputs, removed, tie_break=tie_break)
     if named_fields is not None:
@@ -785,8 +831,13 @@ def plan(model: Any, *, seq_len: int, global_batch: int, micro_batch: int = 1, n
 
 
 LAYOUT_FIELDS: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp", "cp", "tp", "zero", "schedule", "v", "m", "ac",
-                                  "split")
-"""The keys of a named layout (:func:`parse_layout`); the degrees default to 1, the rest to the best choice."""
+                                  "split", "sp", "flash", "tp_overlap", "fused", "dp_overlap")
+"""The keys of a named layout (:func:`parse_layout`); the degrees default to 1, the rest to the best choice. The
+software facts a published run states: ``sp`` (sequence parallel, 0/1), ``flash`` (FlashAttention, 0/1),
+``tp_overlap`` (share of TP traffic hidden, 0..1: 0 off, 1 Megatron-LM's --tp-comm-overlap), ``fused``
+(elementwise ops fused, 0/1) and ``dp_overlap`` (the DP collectives overlap compute, 0/1: Megatron-LM's
+--overlap-grad-reduce, FSDP's prefetch); not named, they are the plan's."""
+_FLAGS = ("sp", "flash", "fused", "dp_overlap")
 _LAYOUT_ALIASES = {"zero_stage": "zero", "virtual_stages": "v", "microbatches": "m", "activation_checkpointing": "ac",
                    "pipeline_split": "split"}
 
@@ -819,11 +870,22 @@ def parse_layout(layout: str | Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(f"plan: `layout` key {key!r} is unknown; use {LAYOUT_FIELDS}.")
         if key == "schedule":
             value = value if value == "none" else canonical_schedule(value, "layout: schedule")
-            if value not in SCHEDULES + ("none",):
-                raise ValueError(f"plan: `layout` has `schedule={value!r}`; the planner models {SCHEDULES}.")
+            if value not in PLANNED_SCHEDULES + ("none",):
+                raise ValueError(f"plan: `layout` has `schedule={value!r}`; the planner models {PLANNED_SCHEDULES}.")
         elif key == "ac":
-            if value not in CHECKPOINTING:
-                raise ValueError(f"plan: `layout` has `ac={value!r}`; use one of {CHECKPOINTING}.")
+            if value not in AC_KINDS:
+                raise ValueError(f"plan: `layout` has `ac={value!r}`; use one of {AC_KINDS}.")
+        elif key == "tp_overlap":
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                value = -1.0
+            if not 0 <= value <= 1:
+                raise ValueError(f"plan: `layout` has `tp_overlap={dict(items)[key]!r}`; it must be in [0, 1].")
+        elif key in _FLAGS:
+            if str(value) not in ("0", "1", "True", "False"):
+                raise ValueError(f"plan: `layout` has `{key}={value!r}`; it must be 0 or 1.")
+            value = str(value) in ("1", "True")
         elif key == "split":
             if value not in PIPELINE_SPLITS:
                 raise ValueError(f"plan: `layout` has `split={value!r}`; use one of {PIPELINE_SPLITS}.")
@@ -865,6 +927,10 @@ def _evaluate_named(ctx: _Ctx, fields: dict[str, Any], result: Plan) -> Layout:
         overrides["checkpointing"] = (fields["ac"],)
     if "split" in fields:
         overrides["splits"] = (fields["split"],)
+    for key, attr in (("sp", "sp"), ("flash", "flash"), ("tp_overlap", "tp_overlap"), ("fused", "fused"),
+                      ("dp_overlap", "dp_overlap")):
+        if key in fields:
+            overrides[attr] = fields[key]
     sub = dataclasses.replace(ctx, _times={}, **overrides)
     rule = _structural_rule(sub, r, d, p, c, t)
     if rule is not None:
@@ -873,7 +939,7 @@ def _evaluate_named(ctx: _Ctx, fields: dict[str, Any], result: Plan) -> Layout:
                 if "v" not in fields or lay.virtual_stages == fields["v"] or p == 1]
     if not variants:
         raise ValueError(f"plan: `layout={spelled!r}` has no runnable variant (the interleaved schedule needs "
-                         f"layers ≥ pp·v and m a multiple of pp). Change v, m or the schedule.")
+                         f"layers ≥ pp·v and an m torch runs: schedules.microbatches_problem). Change v, m or the schedule.")
     named = min(variants, key=_rank_key)
     if result.layouts:  # ranked against a search
         key = _rank_key(named)
@@ -915,7 +981,7 @@ def plan_for_world(model: Any, world_size: int, devices_per_node: int, device: s
 
         >>> from meshkit.models import LlamaConfig
         >>> lay = plan_for_world(LlamaConfig.tiny(), 4, 4, "cpu", seq_len=32, global_batch=8)
-        >>> lay.to_parallel_dims().world_size, lay.pp, lay.cp
+        >>> lay.world_size, lay.pp, lay.cp
         (4, 1, 1)
     """
     _check_positive_int("plan_for_world: `world_size", world_size)
@@ -940,12 +1006,13 @@ def plan_for_world(model: Any, world_size: int, devices_per_node: int, device: s
     return result.best
 
 
-def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, seq_len: int | None = None,
-                 global_batch: int | None = None, micro_batch: int = 1, memory_gb: float | None = None,
-                 reshard_after_forward: bool = True, sequence_parallel: bool = False,
-                 activation_checkpointing: str = "none", log: Callable[[str], Any] | None = None,
-                 **kwargs: Any) -> Any:
-    """The :class:`~meshkit.plugins.dims.ParallelDims` ``strategy="auto_nd"`` trains with.
+def auto_nd_layout(model: Any, world_size: int, num_nodes: int, device: str, *, seq_len: int | None = None,
+                   global_batch: int | None = None, micro_batch: int = 1, memory_gb: float | None = None,
+                   reshard_after_forward: bool = True, sequence_parallel: bool = False,
+                   activation_checkpointing: str = "none", log: Callable[[str], Any] | None = None,
+                   **kwargs: Any) -> Layout:
+    """The layout ``strategy="auto_nd"`` trains with (:func:`meshkit.plugins.dims.auto_nd_dims` turns its
+    :attr:`Layout.degrees` into the strategy's ``ParallelDims``).
 
     Thin glue over :func:`plan_for_world` for the strategy's ``setup_environment``: the planner sees the
     strategy's own settings (FSDP2's ``reshard_after_forward`` = ZeRO-3, else ZeRO-2; sequence
@@ -956,7 +1023,7 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
     Example::
 
         >>> from meshkit.models import LlamaConfig
-        >>> auto_nd_dims(LlamaConfig.tiny(), world_size=4, num_nodes=1, device="cpu", seq_len=64).world_size
+        >>> auto_nd_layout(LlamaConfig.tiny(), world_size=4, num_nodes=1, device="cpu", seq_len=64).world_size
         4
     """
     if seq_len is None:
@@ -966,12 +1033,12 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
             seq_len = None
         if seq_len is None:
             raise ValueError(
-                "auto_nd_dims: the model's config has no `max_seq_len` / `max_position_embeddings`; "
+                "auto_nd_layout: the model's config has no `max_seq_len` / `max_position_embeddings`; "
                 "pass `seq_len=` (tokens per sequence in training)."
             )
     if num_nodes < 1 or world_size % num_nodes:
         raise ValueError(
-            f"auto_nd_dims: `world_size={world_size}` must be a multiple of `num_nodes={num_nodes}` "
+            f"auto_nd_layout: `world_size={world_size}` must be a multiple of `num_nodes={num_nodes}` "
             "(every node runs the same number of ranks)."
         )
     zero = (0, 3) if reshard_after_forward else (0, 2)
@@ -979,5 +1046,5 @@ def auto_nd_dims(model: Any, world_size: int, num_nodes: int, device: str, *, se
                             global_batch or world_size * micro_batch, micro_batch, memory_gb=memory_gb,
                             zero_stage=zero, sequence_parallel=sequence_parallel,
                             activation_checkpointing=activation_checkpointing, log=log, **kwargs)
-    return layout.to_parallel_dims()
+    return layout
 

@@ -6,7 +6,7 @@ datasheets give them). Every formula is a small public function citing its sourc
 
 Example::
 
-    >>> from meshkit.plugins.planner import bubble_fraction, ring_allreduce_bytes
+    >>> from meshkit.planner import bubble_fraction, ring_allreduce_bytes
     >>> bubble_fraction("1f1b", 4, 12), ring_allreduce_bytes(1000, 4)
     (0.2, 1500.0)
 """
@@ -17,20 +17,21 @@ import functools
 from dataclasses import dataclass
 
 from meshkit.hardware import CATALOG, Gpu, find_gpu, gpu
-from meshkit.plugins.planner.model import ModelSpec
+from meshkit.planner.model import ModelSpec
 from meshkit.schedules import canonical_schedule, default_virtual_stages, theoretical_bubble
 
 __all__ = [
     "GpuSpec",
     "GPU_TABLE",
     "gpu_spec",
-    "SCHEDULES",
+    "PLANNED_SCHEDULES",
     "Calibration",
     "CALIBRATION",
     "inflight_microbatches",
     "bubble_fraction",
     "ring_allreduce_bytes",
     "ring_allgather_bytes",
+    "tp_collectives_per_layer",
     "tp_bytes_per_layer",
     "pp_bytes_per_boundary",
     "tp_comm_ratio",
@@ -44,16 +45,21 @@ __all__ = [
     "roofline_efficiency",
     "matmul_efficiency",
     "attention_efficiency",
+    "elementwise_seconds",
+    "EAGER_SCORE_BYTES",
+    "eager_score_seconds",
+    "effective_virtual_stages",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+PLANNED_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble")
+"""The pipeline schedules the planner has a cost model for: some of ``meshkit.schedules.SCHEDULE_NAMES``."""
 """The schedules the planner models (:mod:`meshkit.schedules` names; interleaved_zero_bubble at one
 stage per rank is ZB-H1). Aliases such as "interleaved" and "zero_bubble" are accepted."""
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """The planner's free constants, fitted to published runs (:mod:`meshkit.plugins.planner.calibration`;
+    """The planner's free constants, fitted to published runs (:mod:`meshkit.planner.calibration`;
     values, rows and sources in docs/planner.md)."""
 
     achieved_fraction: float
@@ -66,20 +72,67 @@ class Calibration:
     """Share of the datasheet per-direction link bandwidth a ring collective achieves (NCCL bus bandwidth)."""
     attention_fraction: float = 1.0
     """Fused attention's (FlashAttention's) large-shape rate as a share of the matmuls' (its softmax and
-    masking run on the non-tensor-core units)."""
+    masking run on the non-tensor-core units), for a GPU without its own entry in ``attention_by_gpu``."""
     tp_overlap: float = 0.0
     """Share of the TP collectives hidden behind the GEMMs they feed or follow (Megatron-LM's TP communication
     overlap, torch's async TP), in [0, 1]: 0 all exposed, 1 all hidden. Never more than the compute it hides
-    behind (:func:`exposed_tp_time`)."""
+    behind (:func:`exposed_tp_time`). The default for a layout that does not state ``tp_overlap=``."""
+    gemm_efficiency: tuple[tuple[str, float], ...] = ()
+    """Per GPU (``gpu_spec`` key, e.g. ``("a100-80gb", 0.62)``): the share of its dense peak large bf16 matmuls
+    sustain; a GPU not listed takes ``achieved_fraction``. Tuned A100 runs reach a larger share than H100 ones
+    (H100's peak grew ~3.2x over A100's, its memory bandwidth ~1.6x)."""
+    attention_by_gpu: tuple[tuple[str, float], ...] = ()
+    """Per GPU (``gpu_spec`` key): FlashAttention's rate as a share of that GPU's matmul rate; a GPU not listed takes
+    ``attention_fraction``. The kernels differ by GPU: FlashAttention-2 reaches 50-73 % of the A100's peak (Dao 2023,
+    arXiv 2307.08691 §4.1) but only ~35 % of the H100's (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608 §1:
+    it uses none of Hopper's wgmma / TMA), while cuBLAS GEMMs use them."""
+    elementwise_bytes: float = 0.0
+    """Bytes each elementwise / norm op moves per token per layer per unit of width, forward + backward, in units
+    of 2 bytes × (h + MLP width): the non-matmul work (norms, residuals, activation, RoPE, dropout), memory-bound at
+    the GPU's HBM bandwidth (:func:`elementwise_seconds`). 0: not costed."""
+    fused_elementwise: float = 1.0
+    """Share of that traffic left when the elementwise ops are fused (``fused=1``: torch.compile, Megatron-LM's
+    fused kernels)."""
+    dp_exposed_share: float = 0.0
+    """Share of the data-parallel traffic that never hides behind compute (the first bucket's gather, the last
+    bucket's reduce, the optimizer step waiting for them); the rest hides up to the compute it overlaps."""
+    interleave_penalty: float = 0.0
+    """κ of the interleaved schedule's bubble with few micro-batches: it gets v_eff = 1 + (v − 1)/(1 + κ·p/m)
+    chunks' worth of bubble reduction instead of v (each of the v·p chunk boundaries adds a send and a warm-up
+    step that m micro-batches amortize). 0: the theory's v."""
+    cp_exposed_share: float = 0.0
+    """Share of the ring-attention traffic exposed whatever the overlap (the first hop, the rotation's sync)."""
+
+    def gemm_fraction(self, gpu: str | None) -> float:
+        """The GEMM efficiency of ``gpu`` (a ``gpu_spec`` key), else ``achieved_fraction``.
+
+        >>> Calibration(0.5, 0.1, 0.8, gemm_efficiency=(("a100-80gb", 0.6),)).gemm_fraction("a100-80gb")
+        0.6
+        """
+        return dict(self.gemm_efficiency).get(gpu, self.achieved_fraction) if gpu else self.achieved_fraction
+
+    def attention_share(self, gpu: str | None) -> float:
+        """FlashAttention's rate over the matmuls' on ``gpu`` (a ``gpu_spec`` key), else ``attention_fraction``.
+
+        >>> Calibration(0.5, 0.1, 0.8, attention_fraction=0.4, attention_by_gpu=(("a100-80gb", 0.9),)).attention_share("h100-sxm")
+        0.4
+        """
+        return dict(self.attention_by_gpu).get(gpu, self.attention_fraction) if gpu else self.attention_fraction
 
 
-CALIBRATION = Calibration(achieved_fraction=0.60, ridge_scale=0.1, comm_efficiency=0.8, attention_fraction=0.3,
-                          tp_overlap=0.5)
-"""The constants plan() uses by default: :func:`meshkit.plugins.planner.calibration.fit` on the calibration
-table's fit rows (Megatron-LM's H100 weak-scaling 1.7B, 16B, 70B, 177B, 462B; torchtitan's Llama 3.1 8B on 8
-H100). Half the TP traffic hidden (``tp_overlap`` 0.5) is what Megatron-LM's rows need at tp = 8 with full link
-bandwidth counted at 0.8 of the datasheet (NCCL's bus bandwidth on NVLink 4 is ~360 of 450 GB/s). The attention fraction also absorbs the work the FLOP count does not see (norms, RoPE, softmax,
-elementwise), which, like attention, weighs most on small hidden sizes and long sequences."""
+CALIBRATION = Calibration(
+    achieved_fraction=0.60, ridge_scale=0.05, comm_efficiency=0.8, attention_fraction=0.3, tp_overlap=1.0,
+    gemm_efficiency=(("a100-80gb", 0.68275), ("h100-sxm", 0.5505)),
+    attention_by_gpu=(("a100-80gb", 0.64), ("h100-sxm", 0.32)),
+    elementwise_bytes=30.0, fused_elementwise=0.58, dp_exposed_share=0.2125, interleave_penalty=0.0,
+    cp_exposed_share=0.0)
+"""The constants plan() uses by default: :func:`meshkit.planner.calibration.fit_constants` on every row of the
+published-runs data file (52 runs, six sources, A100 and H100), from :data:`~meshkit.planner.calibration.START`
+(benchmarks/planner_calibration.py reproduces it and reports the leave-one-source-out error; docs/planner.md has the
+table). ``achieved_fraction`` is the GEMM efficiency of a GPU without rows of its own (0.60, issue 15's value: no row
+fits it). ``comm_efficiency``, ``interleave_penalty`` and ``cp_exposed_share`` are START's, not fitted
+(:data:`~meshkit.planner.calibration.UNFITTED`: one source alone decides each). ``tp_overlap`` sits on its grid's edge
+(1.0): only Llama 3's rows leave it unstated, and they want all of the TP traffic hidden."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +219,7 @@ def inflight_microbatches(schedule: str, pp: int, microbatches: int, virtual_sta
         return min(pp - stage, microbatches)
     if name == "interleaved_1f1b":  # never more than all m micro-batches (warm-up ≥ m·v chunks: all forwards first)
         return min(microbatches, pp * (1 + (pp - 1 - 2 * stage) / (pp * virtual_stages)))
-    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {SCHEDULES}.")
+    raise ValueError(f"inflight_microbatches: `schedule={schedule!r}` has no activation model; use one of {PLANNED_SCHEDULES}.")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -205,21 +258,35 @@ def ring_allgather_bytes(size_bytes: float, n: int) -> float:
     return (n - 1) / n * size_bytes if n > 1 else 0.0
 
 
+def tp_collectives_per_layer(recompute: bool = False, parallel_blocks: bool = False) -> int:
+    """TP collectives (all-reduces, or all-gather + reduce-scatter pairs under sequence parallelism) one layer runs
+    per micro-batch: 2 in forward (after attention, after the MLP) and 2 in backward (Shoeybi et al. 2019 §3), the
+    forward's again with full recomputation; a parallel block (attention and MLP summed before one reduction: PaLM
+    §2, GPT-J) runs one per pass instead of two, half as many.
+
+    >>> tp_collectives_per_layer(), tp_collectives_per_layer(True), tp_collectives_per_layer(True, True)
+    (4, 6, 3)
+    """
+    count = 6 if recompute else 4
+    return count // 2 if parallel_blocks else count
+
+
 def tp_bytes_per_layer(seq: int, micro_batch: int, hidden: int, tp: int, *, act_bytes: float = 2.0,
-                       recompute: bool = False) -> float:
+                       recompute: bool = False, parallel_blocks: bool = False) -> float:
     """Bytes each TP rank sends per transformer layer per micro-batch.
 
     Megatron-LM (Shoeybi et al. 2019 §3, Fig. 4): two all-reduces of the s·b·h activation in forward
     (after attention and after the MLP) and two in backward; sequence parallelism (Korthikanti et al. 2022
     §4.2.2) swaps each for an all-gather + reduce-scatter, the same bytes. Full recomputation repeats
-    the forward's two. Each: ring_allreduce_bytes(s·b·h·act_bytes, t). Over a step of 12h²-parameter
+    the forward's two; a parallel block half of them (:func:`tp_collectives_per_layer`). Each:
+    ring_allreduce_bytes(s·b·h·act_bytes, t). Over a step of 12h²-parameter
     blocks that is a comm/compute ratio of 2(t−1)·F/(9·h·W); :func:`tp_comm_ratio` publishes the forward
     pass's (t−1)·F/(3·h·W), 1.5× that.
 
     >>> tp_bytes_per_layer(1024, 1, 4096, 8) / 2**20   # 4 · 2·7/8 · 8 MiB
     56.0
     """
-    collectives = 6 if recompute else 4
+    collectives = tp_collectives_per_layer(recompute, parallel_blocks)
     return collectives * ring_allreduce_bytes(float(seq) * micro_batch * hidden * act_bytes, tp)
 
 
@@ -335,7 +402,7 @@ def exposed_tp_time(tp_time: float, compute: float, overlap: float) -> float:
     (Megatron-LM's ``--tp-comm-overlap``, torch's async TP: the all-gather / reduce-scatter of one chunk runs while
     the previous chunk multiplies), but never more than the ``compute`` it hides behind.
 
-    ``overlap`` is in [0, 1]; :func:`~meshkit.plugins.planner.plan` checks it once (this runs per layout).
+    ``overlap`` is in [0, 1]; :func:`~meshkit.planner.plan` checks it once (this runs per layout).
 
     >>> exposed_tp_time(1.0, 10.0, 0.75), exposed_tp_time(1.0, 0.5, 1.0)
     (0.25, 0.5)
@@ -394,10 +461,10 @@ def matmul_efficiency(model: ModelSpec, tokens: float, tp: int, ridge: float) ->
     >>> round(matmul_efficiency(mdl, 2048, 1, 0), 3), round(matmul_efficiency(mdl, 2048, 1, 100), 3)
     (1.0, 0.839)
     """
-    h, d, f = model.hidden, model.head_dim, model.ffn
+    h, d, f = model.hidden, model.head_dim, model.ffn  # w3 only in a gated MLP
     q, kv = model.heads * d / tp, model.kv_heads * d / tp
     # (k, n, how many such matrices): per block, times layers; the output projection once
-    block = ((h, q, 1), (h, kv, 2), (q, h, 1), (h, f / tp, 2), (f / tp, h, 1))
+    block = ((h, q, 1), (h, kv, 2), (q, h, 1), (h, f / tp, model.mlp_matrices - 1), (f / tp, h, 1))
     shapes = [(k, n, c * model.layers) for k, n, c in block] + [(h, model.vocab / tp, 1)]
     flops = sum(k * n * c for k, n, c in shapes)
     time = sum(k * n * c / roofline_efficiency(ridge, tokens, k, n) for k, n, c in shapes)
@@ -422,3 +489,54 @@ def attention_efficiency(seq: int, cp: int, ridge: float) -> float:
         return 1.0
     return 1.0 / (1.0 + ridge * (3 * cp - 1) / seq)
 
+
+
+def elementwise_seconds(model: ModelSpec, tokens: float, tp: int, sp: bool, bytes_per_unit: float,
+                        hbm_bw: float) -> float:
+    """Seconds of the non-matmul work of ``tokens`` tokens through all ``model.layers`` blocks on one GPU of a TP
+    group of ``tp``: memory-bound, ``bytes_per_unit`` × 2 bytes per unit of width per token per layer at ``hbm_bw``
+    bytes/s. The width is h on the residual stream (norms, residual adds, dropout: whole on every TP rank without
+    sequence parallelism, ÷ t with it) plus the MLP's activation width (f, or 2f gated, always ÷ t).
+
+    >>> elementwise_seconds(ModelSpec(layers=1, hidden=1000, heads=10, ffn=4000, gated_mlp=False), 1000, 1, True,
+    ...                     10, 1e12)   # 10 · 2 B · (1000 + 4000) · 1000 tokens / 1e12
+    0.0001
+    """
+    mlp = model.ffn * (model.mlp_matrices - 1)
+    width = model.hidden / (tp if sp else 1) + mlp / tp
+    return bytes_per_unit * 2.0 * width * tokens * model.layers / hbm_bw
+
+
+EAGER_SCORE_BYTES: tuple[float, float] = (13.0, 19.0)
+"""Bytes of device-memory traffic per element of the s×s attention scores (per head, per sequence, per layer) of an
+attention without FlashAttention, ``(forward, backward)``, counted on Megatron-LM's CoreAttention (bf16 scores,
+1-byte dropout mask; Korthikanti et al. 2022 §4.1 count the same tensors, 5·a·s²·b bytes of them kept). Forward:
+the QKᵀ baddbmm writes the scores (2), the fused scale-mask-softmax reads them and writes the probabilities (2 + 2),
+dropout reads those and writes its output and its mask (2 + 2 + 1), the PV bmm reads the output (2): 13. Backward:
+the PV bmm writes the probabilities' gradient and reads the probabilities for dV (2 + 2), dropout's backward reads
+the gradient and the mask and writes its gradient (2 + 1 + 2), the softmax backward reads that gradient and the
+probabilities and writes the scores' gradient (2 + 2 + 2), the QKᵀ backward reads it twice, for dQ and dK (2 + 2):
+19. Counted, not fitted: FlashAttention (``flash=1``) keeps the scores on chip and moves none of it."""
+
+
+def eager_score_seconds(model: ModelSpec, sequences: float, seq: int, cp: int, hbm_bw: float,
+                        passes: tuple[float, ...] = EAGER_SCORE_BYTES) -> float:
+    """Seconds the s×s attention scores of ``sequences`` sequences through all ``model.layers`` blocks take to stream
+    through device memory at ``hbm_bw`` bytes/s, ``sum(passes)`` bytes per score element (:data:`EAGER_SCORE_BYTES`:
+    forward + backward; a recomputed forward adds its 13). Under context parallelism each rank's s/c queries meet all
+    s keys: a·s²/c elements per layer per sequence.
+
+    >>> eager_score_seconds(ModelSpec(layers=1, hidden=64, heads=1), 1, 1000, 1, 32e9)   # 32 B · 1000² / 32e9
+    0.001
+    """
+    return sum(passes) * model.layers * model.heads * float(seq) * seq / cp * sequences / hbm_bw
+
+
+def effective_virtual_stages(v: int, pp: int, microbatches: int, penalty: float) -> float:
+    """The bubble reduction an interleaved schedule of ``v`` chunks per rank delivers with m micro-batches:
+    1 + (v − 1)/(1 + κ·p/m) (κ = ``penalty``; 0 gives v, the theory of Narayanan et al. 2021 §2.2.2).
+
+    >>> effective_virtual_stages(4, 8, 16, 0.0), effective_virtual_stages(4, 8, 8, 1.0)
+    (4.0, 2.5)
+    """
+    return 1.0 + (v - 1) / (1.0 + penalty * pp / microbatches)

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> from meshkit.plugins.planner import Layout, format_table
+    >>> from meshkit.planner import Layout, format_table
     >>> format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)]).splitlines()[0].split()[:3]
     ['#', 'rep', 'shard']
 """
@@ -10,12 +10,20 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from meshkit.plugins.planner.model import FFN_MULTIPLE, GiB
-from meshkit.plugins.planner.search import ERROR_BAND, LOSSES, Layout, Plan, _loss_phrase
+from meshkit.planner.model import FFN_MULTIPLE, GiB
 
-__all__ = ["explain", "format_table", "header", "compare"]
+if TYPE_CHECKING:  # the search builds what this text describes; it imports this module, not the reverse
+    from meshkit.planner.search import Layout, Plan
+
+__all__ = ["LOSSES", "ERROR_BAND", "explain", "format_table", "header", "compare"]
+
+LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute", "kernels")
+"""The overheads a layout's step time adds up, in the order of ``Layout.losses``."""
+ERROR_BAND = 0.05
+"""Predicted step times this close (relative) to the fastest are ties: the calibration's held-out rows miss
+their published MFU by up to a few points (docs/planner.md), so a smaller difference is not a prediction."""
 
 
 def explain(plan: Plan) -> str:
@@ -23,7 +31,7 @@ def explain(plan: Plan) -> str:
 
     Example::
 
-        >>> from meshkit.plugins.planner import ModelSpec, plan, explain
+        >>> from meshkit.planner import ModelSpec, plan, explain
         >>> p = plan(ModelSpec(layers=4, hidden=64, heads=4), seq_len=64, global_batch=8, gpus_per_node=4,
         ...          gpu="cpu", memory_gb=1, peak_tflops=0.1)
         >>> explain(p).startswith("best: ")
@@ -103,7 +111,7 @@ def format_table(layouts: Sequence[Layout]) -> str:
 
     Example::
 
-        >>> from meshkit.plugins.planner import Layout
+        >>> from meshkit.planner import Layout
         >>> table = format_table([Layout(1, 8, 1, 1, 1, 3, "none", 8, "none", feasible=True)])
         >>> table.splitlines()[0].split()[:6], len(table.splitlines())
         (['#', 'rep', 'shard', 'pp', 'cp', 'tp'], 3)
@@ -155,7 +163,7 @@ def compare(named: Layout, best: Layout | None) -> str:
 
     Example::
 
-        >>> from meshkit.plugins.planner import ModelSpec, plan, compare
+        >>> from meshkit.planner import ModelSpec, plan, compare
         >>> p = plan(ModelSpec(layers=4, hidden=64, heads=4), seq_len=64, global_batch=8, gpus_per_node=4,
         ...          gpu="cpu", memory_gb=1, peak_tflops=0.1, layout="tp=4")
         >>> compare(p.named, p.best).splitlines()[0].startswith("layout tp=4")
@@ -177,3 +185,22 @@ def compare(named: Layout, best: Layout | None) -> str:
                  f"{named.step_time_s - best.step_time_s:>+10.3g}")
     lines.append(f"  best: {best.describe()}")
     return "\n".join(lines)
+
+
+def _loss_phrase(lay: Layout, key: str) -> str:
+    if key == "bubble":
+        return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
+    if key == "tp":
+        where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
+        return f"TP collectives {where} (tp={lay.tp}, forward comm/compute {lay.tp_comm_ratio:.2f})"
+    if key == "pp":
+        return f"PP send/recv (forward comm/compute {lay.pp_comm_ratio:.3f})"
+    if key == "cp":
+        return f"CP ring traffic {lay.cp_comm_ratio:.2f}× compute, not hidden by attention"
+    if key == "dp":
+        group = f"ZeRO-{lay.zero_stage}" if lay.zero_stage else "DDP"
+        return f"{group} traffic {lay.dp_comm_ratio:.2f}× compute, not hidden"
+    if key == "kernels":
+        return (f"kernel shapes at cp={lay.cp}, tp={lay.tp} (matmuls at {lay.matmul_efficiency:.0%}, attention at "
+                f"{lay.attention_efficiency:.0%} of the large-shape rate)")
+    return f"{lay.activation_checkpointing} activation recompute"

@@ -5,7 +5,7 @@ Units: bytes, FLOP; "GB" in the output is GiB (2**30 bytes, as torch.cuda report
 
 Example::
 
-    >>> from meshkit.plugins.planner import ModelSpec, model_state_bytes
+    >>> from meshkit.planner import ModelSpec, model_state_bytes
     >>> spec = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000)
     >>> round(model_state_bytes(spec.total_params, 3, 8) / 2**30, 1)   # ZeRO-3 over 8 GPUs
     12.6
@@ -22,6 +22,7 @@ from meshkit.modelspec import read_shape
 __all__ = [
     "GiB",
     "CHECKPOINTING",
+    "AC_KINDS",
     "ModelSpec",
     "FFN_MULTIPLE",
     "round_ffn",
@@ -31,11 +32,17 @@ __all__ = [
     "PIPELINE_SPLITS",
     "stage_layers",
     "activation_bytes_per_layer",
-    "training_flops_per_token",
 ]
 
 GiB = float(2**30)
 CHECKPOINTING: tuple[str, ...] = ("none", "selective", "full")
+"""The activation checkpointing meshkit's runtime runs (:data:`meshkit.plugins.activation_checkpoint.AC_MODES`, the
+same meaning: "selective" keeps every matmul and attention output and recomputes only the elementwise / norm ops;
+without FlashAttention the planner costs it as Korthikanti et al.'s selective recomputation, the scores dropped)."""
+AC_KINDS: tuple[str, ...] = CHECKPOINTING + ("torchtitan_op",)
+"""What a published run's layout may state (``ac=``): the runtime's kinds plus torchtitan's op-level selective AC
+("torchtitan_op": saves every second matmul and attention, recomputes wk, wo, w3 and the elementwise ops), which
+meshkit does not run and the search does not propose."""
 PIPELINE_SPLITS: tuple[str, ...] = ("even", "balanced")
 """How a pipeline spreads the layers over its stages (:func:`stage_layers`): "even" splits the L blocks alone;
 "balanced" counts the embedding and the output layer as one block each (L + 2 slots), so the first and the last
@@ -87,6 +94,15 @@ class ModelSpec:
     """Dropout after attention and after the MLP, each keeping a 1-byte mask per activation (GPT's and Megatron-LM's
     default ``hidden_dropout=0.1``). Llama-style decoders have no dropout layer (Meta's reference ``llama/model.py``),
     so their activations lack Korthikanti's 2·s·b·h of masks (:func:`activation_bytes_per_layer`)."""
+    head_dim: int | None = field(default=None, kw_only=True)
+    """Size of one head; None means ``hidden // heads`` (Qwen3 and Gemma set it apart)."""
+    gated_mlp: bool = field(default=True, kw_only=True)
+    """Three MLP matrices (SwiGLU: w1, w3, w2); False: two (GPT's fc and proj, of width ``ffn``)."""
+    parallel_blocks: bool = field(default=False, kw_only=True)
+    """Attention and MLP read the same normed input and add to the residual together, x + attn(n(x)) + mlp(n(x))
+    (GPT-J, GPT-NeoX's ``use_parallel_residual``, PaLM §2, Falcon): under tensor parallelism their two partial sums
+    are reduced by one collective, so a block runs half the TP collectives of the serial x + attn, then + mlp
+    (:func:`~meshkit.planner.costs.tp_bytes_per_layer`). The FLOPs and parameters are the same."""
     ffn_derived: bool = field(default=False, init=False, compare=False, repr=False)
     """True when ``ffn`` was derived from ``params`` (and rounded) rather than given."""
 
@@ -96,7 +112,9 @@ class ModelSpec:
         for name in ("kv_heads", "ffn"):
             if getattr(self, name) is not None:
                 _check_positive_int(f"ModelSpec: `{name}", getattr(self, name))
-        if self.hidden % self.heads:
+        if self.head_dim is not None:
+            _check_positive_int("ModelSpec: `head_dim", self.head_dim)
+        elif self.hidden % self.heads:
             raise ValueError(
                 f"ModelSpec: `hidden={self.hidden}` must be divisible by `heads={self.heads}` (whole heads). "
                 "Pass the model's real head count."
@@ -105,13 +123,15 @@ class ModelSpec:
         if self.heads % kv:
             raise ValueError(f"ModelSpec: `heads={self.heads}` must be divisible by `kv_heads={kv}` (GQA groups).")
         object.__setattr__(self, "kv_heads", kv)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
         if self.params is not None and not (self.params > 0):
             raise ValueError(f"ModelSpec: `params={self.params}` must be > 0 (a count of parameters, e.g. 7e9).")
         if self.ffn is None:
             ffn = 4 * self.hidden
             if self.params is not None:
                 rest = self.params - self._embedding_params() - self.layers * self._attention_params()
-                ffn = rest / (3 * self.hidden * self.layers)
+                ffn = rest / (self.mlp_matrices * self.hidden * self.layers)
                 if ffn < 1:
                     raise ValueError(
                         f"ModelSpec: `params={self.params:.3g}` is smaller than the embeddings and attention of "
@@ -125,8 +145,9 @@ class ModelSpec:
 
     # ---- parameter counts (before the optional scaling to `params`) ----
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def mlp_matrices(self) -> int:
+        """Matrices of h × ffn in the MLP: 3 gated (SwiGLU), 2 not (GPT)."""
+        return 3 if self.gated_mlp else 2
 
     def _attention_params(self) -> int:
         # wq (h × a·hd) + wk, wv (h × kv·hd each) + wo (a·hd × h) + two RMSNorm weights
@@ -139,13 +160,13 @@ class ModelSpec:
 
     @property
     def _scale(self) -> float:
-        raw = self.layers * (self._attention_params() + 3 * self.hidden * self.ffn) + self._embedding_params()
+        raw = self.layers * (self._attention_params() + self.mlp_matrices * self.hidden * self.ffn) + self._embedding_params()
         return 1.0 if self.params is None else self.params / raw
 
     @property
     def layer_params(self) -> float:
-        """Parameters of one transformer block: attention, SwiGLU (w1, w2, w3) and its two norms."""
-        return (self._attention_params() + 3 * self.hidden * self.ffn) * self._scale
+        """Parameters of one transformer block: attention, the MLP (w1, w2, w3, or GPT's two) and its two norms."""
+        return (self._attention_params() + self.mlp_matrices * self.hidden * self.ffn) * self._scale
 
     @property
     def vocab_params(self) -> float:
@@ -164,6 +185,20 @@ class ModelSpec:
         hd = self.head_dim
         per_layer = self.hidden * self.kv_heads * hd + self.heads * hd * self.hidden + self.hidden * self.ffn
         return self.layers * per_layer * self._scale
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token, forward + backward: the profiler's rule
+        (:func:`meshkit.profiling.flops.model_flops_per_token`, 6·N + 12·L·H·Q·T with N the parameters but the input
+        embedding, the final norm and the LM head once), on this shape.
+
+        >>> ModelSpec(layers=2, hidden=64, heads=4, ffn=128, vocab=100).flops_per_token(16)
+        556416.0
+        """
+        from meshkit.profiling.flops import ModelShape, model_flops_per_token  # plugins may import profiling
+
+        n = self.layers * self.layer_params + (self.vocab * self.hidden + self.hidden) * self._scale
+        return model_flops_per_token(ModelShape(n_params=round(n), n_layers=self.layers, n_heads=self.heads,
+                                                head_dim=self.head_dim), seq_len)
 
     @property
     def matmul_params(self) -> float:
@@ -193,7 +228,9 @@ class ModelSpec:
                 "Pass a ModelSpec(layers=..., hidden=..., heads=...) instead."
             ) from exc
         return cls(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, kv_heads=shape.kv_heads,
-                   ffn=shape.ffn, vocab=shape.vocab, params=params, tied_embeddings=shape.tied_embeddings)
+                   ffn=shape.ffn, vocab=shape.vocab, params=params, tied_embeddings=shape.tied_embeddings,
+                   head_dim=shape.head_dim,
+                   gated_mlp=shape.gated_mlp)
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -289,50 +326,54 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
     The paper's 10 is the two norms' inputs (4), the inputs of the QKV and first MLP matmuls (2 + 2) and the two
     dropout masks (1 + 1 byte per element); a model without dropout (``dropout=False``, every Llama) keeps 8.
 
-    With FlashAttention (``attention_scores=False``) Korthikanti's selective recomputation saves nothing more, so
-    ``checkpointing="selective"`` is then torchtitan's op-level selective AC (its default for Llama 3.1 8B): it keeps
+    With FlashAttention (``attention_scores=False``) ``checkpointing="selective"`` is meshkit's runtime's selective AC
+    (:mod:`meshkit.plugins.activation_checkpoint`: every matmul and attention output kept, the elementwise ops
+    recomputed): per layer 2·sbh·(3 + 2 + 2·kv/a + 2·f/h) without TP (the block input, wo's and w2's outputs; q and
+    the attention output; k, v; w1's and w3's outputs); under TP the column-parallel outputs ÷ t and the other 3 ÷ t
+    only with SP; a GELU MLP (``ffn`` None) keeps one 4h output. ``"torchtitan_op"`` is torchtitan's op-level selective AC: it keeps
     the block input and the outputs of attention and of every odd-numbered matmul (wq, wv, w1, w2) and recomputes
     the rest (wk, wo, w3, norms, SwiGLU, RoPE). Per layer: without TP 2·sbh·(4 + kv/a + f/h); with TP and SP
     the row-parallel w2's full-width partial sum 2·sbh plus 2·sbh·(5 + kv/a + f/h)/t (input, Q, V, attention out, w1 out and both reduce-scatter outputs, sharded);
-    with TP and no SP the whole input and w2 output 4·sbh plus 2·sbh·(2 + kv/a + f/h)/t.
+    with TP and no SP the whole input and w2 output 4·sbh plus 2·sbh·(2 + kv/a + f/h)/t. Without FlashAttention both
+    are Korthikanti's selective recomputation (the score term dropped).
 
     >>> activation_bytes_per_layer(2048, 1, 12288, 96, 8) / 2**20   # GPT-3 175B, t=8: 23·s·b·h
     552.0
-    >>> activation_bytes_per_layer(8192, 2, 4096, 32, 1, attention_scores=False, checkpointing="selective",
+    >>> activation_bytes_per_layer(8192, 2, 4096, 32, 1, attention_scores=False, checkpointing="torchtitan_op",
     ...                            ffn=14336, kv_heads=8) / (8192 * 2 * 4096)   # Llama 3.1 8B: 2·(4 + 1/4 + 3.5)
     15.5
+    >>> activation_bytes_per_layer(8192, 2, 4096, 32, 1, attention_scores=False, checkpointing="selective",
+    ...                            ffn=14336, kv_heads=8) / (8192 * 2 * 4096)   # runtime's: 2·(3 + 2 + 1/2 + 7)
+    25.0
     """
-    if checkpointing not in CHECKPOINTING:
+    if checkpointing not in AC_KINDS:
         raise ValueError(
-            f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {CHECKPOINTING}.")
+            f"activation_bytes_per_layer: `checkpointing={checkpointing!r}` must be one of {AC_KINDS}.")
     sbh = float(seq) * micro_batch * hidden
     kv = (heads if kv_heads is None else kv_heads) / heads
     sharded = 4.0 + 4.0 * kv + (16.0 if ffn is None else 6.0 * ffn / hidden)
     if checkpointing == "full":
         return 2 * sbh / (tp if sequence_parallel else 1)
-    if checkpointing == "selective" and not attention_scores:  # torchtitan's op-level SAC (see above)
+    if checkpointing == "selective" and not attention_scores:  # meshkit's runtime: every matmul and attention output
+        f = (4.0 * hidden if ffn is None else ffn) / hidden
+        col = 2.0 + 2.0 * kv + f * (2.0 if ffn is not None else 1.0)  # q, attention out, k, v; w1 (and w3) outputs
+        row = 3.0  # the block input and wo's, w2's outputs: whole on each TP rank, ÷ t with SP (reduce-scattered)
+        return 2 * sbh * (row / (tp if sequence_parallel else 1) + col / tp)
+    if checkpointing == "torchtitan_op" and not attention_scores:  # torchtitan's op-level SAC
         f = (4.0 * hidden if ffn is None else ffn) / hidden
         if tp == 1:
             return 2 * sbh * (4 + kv + f)
         if sequence_parallel:
             return 2 * sbh * (1 + (5 + kv + f) / tp)
         return 2 * sbh * (2 + (2 + kv + f) / tp)
+    if checkpointing == "torchtitan_op":
+        checkpointing = "selective"  # without FlashAttention: Korthikanti's selective (the scores dropped)
     scores = 5 * heads * seq / (hidden * tp) if attention_scores and checkpointing == "none" else 0.0
     whole = 10.0 if dropout else 8.0  # norms' inputs 4, QKV and MLP inputs 4, dropout masks 2
     if sequence_parallel:
         return sbh * ((whole + sharded) / tp + scores)
     return sbh * (whole + sharded / tp + scores)
 
-
-
-def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq: int) -> float:
-    """Model FLOPs per token for forward + backward: 6·N + 12·L·h·s (PaLM, Chowdhery et al. 2022, app. B;
-    N the matmul parameters, the 12·L·h·s term the attention scores and their weighted sum; no recompute).
-
-    >>> training_flops_per_token(1e9, 10, 1000, 100)
-    6012000000.0
-    """
-    return 6 * matmul_params + 12 * layers * hidden * seq
 
 
 # Roofline ridge (FLOP/byte) for a device outside GPU_TABLE: the H100 SXM's 295 (989.4 TFLOP/s over

@@ -11,7 +11,7 @@ Anything else raises :class:`UnsafeCheckpointError`.
 Example::
 
     >>> import torch.distributed.checkpoint as dcp
-    >>> from meshkit.plugins.dcp_reader import SafeReader, safe_load_planner
+    >>> from meshkit.plugins.checkpoint import SafeReader, safe_load_planner
     >>> dcp.load(state, storage_reader=SafeReader("ckpts/last.ckpt"), planner=safe_load_planner())  # doctest: +SKIP
 """
 
@@ -27,20 +27,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-__all__ = [
-    "CheckpointError", "UnsafeCheckpointError", "MetadataUnpickler", "SafeReader", "safe_load_planner",
-    "read_metadata", "read_all", "dcp_errors",
-]
+from meshkit.plugins.checkpoint.errors import CheckpointError, UnsafeCheckpointError, refusal
 
-
-class CheckpointError(ValueError):
-    """A checkpoint is incomplete, corrupt, unsafe, or does not fit the model (a bad input: ``meshkit`` verbs
-    print it on one line and exit 2)."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint holds an object meshkit refuses to unpickle (it could run code)."""
-
+__all__ = ["MetadataUnpickler", "SafeReader", "safe_load_planner", "read_metadata", "read_all", "dcp_errors"]
 
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -105,7 +94,7 @@ def _load_bytes_safely(read_item: Any, value: io.BytesIO) -> Any:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         raise UnsafeCheckpointError(
-            f"refused the non-tensor entry `{read_item.storage_index.fqn}`: it is not plain data ({e}). "
+            f"refused the non-tensor entry `{read_item.storage_index.fqn}`: it is not plain data ({refusal(e)}). "
             "Do not load this checkpoint."
         ) from None
 

@@ -11,8 +11,9 @@ group, no GPU.
 
 The package reads in layers, each importing only those before it: :mod:`.model` (the shape, its
 parameters, FLOPs and memory) <- :mod:`.costs` (GPU links and peak, communication, bubble, kernel-shape
-efficiency) <- :mod:`.search` (layouts, :func:`plan`, :func:`plan_for_world`, :func:`auto_nd_dims`) <-
-:mod:`.explain` (the table and the "why it wins" text) <- :mod:`.cli` (``meshkit plan``).
+efficiency) <- :mod:`.explain` (the table and the "why it wins" text of the layouts it is handed, the loss
+names and the error band) <- :mod:`.search` (layouts, :func:`plan`, :func:`plan_for_world`,
+:func:`auto_nd_layout`) <- :mod:`.cli` (``meshkit plan``).
 
 Every formula is a small public function citing its source. Units: bytes, seconds, FLOP and
 FLOP/s, bytes/s per direction; in the output "GB" is GiB (2**30 bytes, as torch.cuda reports
@@ -23,7 +24,7 @@ an axis stays inside a node when its degree times the degrees inside it fits in 
 
 Example::
 
-    >>> from meshkit.plugins.planner import ModelSpec, plan
+    >>> from meshkit.planner import ModelSpec, plan
     >>> model = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000)
     >>> p = plan(model, seq_len=4096, global_batch=64, nodes=1, gpus_per_node=8,
     ...          gpu="h100-sxm", peak_tflops=989.4)
@@ -32,15 +33,15 @@ Example::
 """
 
 # The public names are each layer's own __all__ (one list per name, in the module that defines it).
-from meshkit.plugins.planner import cli as _cli
-from meshkit.plugins.planner import costs as _costs
-from meshkit.plugins.planner import explain as _explain
-from meshkit.plugins.planner import model as _model
-from meshkit.plugins.planner import search as _search
-from meshkit.plugins.planner.cli import *  # noqa: F401,F403
-from meshkit.plugins.planner.costs import *  # noqa: F401,F403
-from meshkit.plugins.planner.explain import *  # noqa: F401,F403
-from meshkit.plugins.planner.model import *  # noqa: F401,F403
-from meshkit.plugins.planner.search import *  # noqa: F401,F403
+from meshkit.planner import cli as _cli
+from meshkit.planner import costs as _costs
+from meshkit.planner import explain as _explain
+from meshkit.planner import model as _model
+from meshkit.planner import search as _search
+from meshkit.planner.cli import *  # noqa: F401,F403
+from meshkit.planner.costs import *  # noqa: F401,F403
+from meshkit.planner.explain import *  # noqa: F401,F403
+from meshkit.planner.model import *  # noqa: F401,F403
+from meshkit.planner.search import *  # noqa: F401,F403
 
 __all__ = [*_model.__all__, *_costs.__all__, *_search.__all__, *_explain.__all__, *_cli.__all__]
