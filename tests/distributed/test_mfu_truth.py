@@ -74,7 +74,8 @@ def _run(rank, world_size, root, phase_s, straggler_s):
                         val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
                         logger=TensorBoardLogger(root, name="run"), callbacks=[mon], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3), train, val)
+    model = Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3)
+    trainer.fit(model, train, val)
     per_batch = {m.step: {k: 1e3 * m.step_time_s * v for k, v in m.breakdown.items()} for m in mon.history}
     return {"per_batch": per_batch, "trace_dir": mon.trace_dir, "summaries": mon.window_summaries,
             "trace_ms": mon._in_window}
@@ -164,8 +165,10 @@ def _fit_run(rank, world_size, root, d):
 
     class Injected(LlamaLM):
         def training_step(self, batch, batch_idx):
-            if self.trainer.global_step == INNER_SAVE:
+            if self.trainer.global_step == INNER_SAVE:  # its wall time is the truth the batch's part is held to
+                t = time.perf_counter()
                 self.trainer.save_checkpoint(os.path.join(root, "inner.ckpt"))
+                self.inner_save_s = time.perf_counter() - t
             return super().training_step(batch, batch_idx)
 
         def validation_step(self, batch, batch_idx):
@@ -205,12 +208,13 @@ def _fit_run(rank, world_size, root, d):
                         callbacks=[slow, mon, ModelCheckpoint(dirpath=os.path.join(root, "ckpt"), save_top_k=1)],
                         enable_model_summary=False)
     t0 = time.perf_counter()
-    trainer.fit(Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3), train, val)
+    model = Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3)
+    trainer.fit(model, train, val)
     outside = time.perf_counter() - t0
     per_batch = {m.step: {"step_ms": 1e3 * m.step_time_s,
                           **{k: 1e3 * m.step_time_s * v for k, v in m.breakdown.items()}} for m in mon.history}
     return {"fit": mon.fit_time_s, "outside_s": outside, "per_batch": per_batch, "trace_dir": mon.trace_dir,
-            "deleted": slow.deleted}
+            "deleted": slow.deleted, "inner_save_s": model.inner_save_s}
 
 
 def _fit_parts(fit):
@@ -292,8 +296,16 @@ def test_fit_time_lands_once_in_its_part(pool, tmp_path):
         if core(got[INNER_SAVE]) - max(core(base[INNER_SAVE]), core(got[SLOW_END + 1])) > 1e3 * tol:
             failures.append(f"rank {rank} batch {INNER_SAVE}: forward+backward {core(got[INNER_SAVE]):.0f} ms, "
                             f"{core(base[INNER_SAVE]):.0f} without the save: it holds the save")
-        if abs(got[INNER_SAVE]["checkpoint"] - base[INNER_SAVE]["checkpoint"] - 1e3 * FIT_D) > 1e3 * tol:
-            failures.append(f"rank {rank} batch {INNER_SAVE}: checkpoint {got[INNER_SAVE]['checkpoint']:.0f} ms")
+        # ... and its checkpoint part is the save's own wall time, timed around the call in the same run (a
+        # save's real cost on a loaded host varies by more than the tolerance between two runs: CI saw 0.13 s
+        # against a baseline's 0.33 s); counted twice or not at all, it is off by the save's whole time (>= 0.2 s)
+        for case in runs:
+            saved, part = 1e3 * runs[case][rank]["inner_save_s"], runs[case][rank]["per_batch"][INNER_SAVE]
+            if abs(part["checkpoint"] - saved) > 50.0:  # measured: equal to the ms; 50 ms for a loaded host
+                failures.append(f"{case} rank {rank} batch {INNER_SAVE}: checkpoint {part['checkpoint']:.0f} ms, "
+                                f"the save took {saved:.0f} ms")
+        if runs["fit"][rank]["inner_save_s"] < FIT_D:
+            failures.append(f"rank {rank}: the injected save took {runs['fit'][rank]['inner_save_s']:.3f} s")
         # batch 5: the stop-signal wait is exposed comm, once (the timers', not also the trace's)
         exp = 1e3 * FIT_D if rank != SLOW_RANK else 0.0
         delta = got[SLOW_END + 1]["exposed_comm"] - base[SLOW_END + 1]["exposed_comm"]
