@@ -74,8 +74,7 @@ def _run(rank, world_size, root, phase_s, straggler_s):
                         val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
                         logger=TensorBoardLogger(root, name="run"), callbacks=[mon], enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    model = Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3)
-    trainer.fit(model, train, val)
+    trainer.fit(Injected(LlamaConfig.tiny(n_layers=2), lr=1e-3), train, val)
     per_batch = {m.step: {k: 1e3 * m.step_time_s * v for k, v in m.breakdown.items()} for m in mon.history}
     return {"per_batch": per_batch, "trace_dir": mon.trace_dir, "summaries": mon.window_summaries,
             "trace_ms": mon._in_window}
@@ -113,8 +112,7 @@ def test_injected_delays_land_in_their_buckets(pool, tmp_path):
                 table.append((case, rank, k, expected or 0.0, round(delta, 1), round(b[k], 1)))
                 if expected is not None and abs(delta - expected) > tol:
                     failures.append(f"{case}: rank {rank} {k}: injected {expected:.0f} ms, reported change {delta:.1f}")
-                if expected is None and delta > FIT_D / 2:  # injections come in FIT_D: one misplaced moves a part by
-                # that much; real work (the profiler's export: 0.2 s, and as much again in one run of five) less  # the injected time is not also charged to another bucket
+                if expected is None and delta > tol:  # the injected time is not also charged to another bucket
                     failures.append(f"{case}: rank {rank} {k}: nothing injected, reported change {delta:.1f} ms")
     res = {case: analyze(runs[case][0]["trace_dir"]) for case in runs}
     waits = {r: res["straggler"]["ranks"][str(r)].get("waiting_for_ms", {}) for r in range(4)}
