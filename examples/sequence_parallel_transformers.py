@@ -2,7 +2,7 @@
 
 Between the tensor-parallel blocks (attention, MLP) each of the tp ranks keeps only its T/tp rows of the
 residual stream and of every norm's input: the activations tensor parallelism alone would hold whole on each
-rank. The LightningModule is the ordinary one; the only change is the strategy's ``sequence_parallel=True``.
+rank. The LightningModule is the hsdp_tp example's, imported unchanged; the only change is the strategy's ``sequence_parallel=True``.
 The script trains a few steps with SP off, then on, and prints how many rows of each sequence a decoder
 layer's norm saw on rank 0. The memory this saves is measured by benchmarks/sequence_parallel_memory.py
 (table in docs/models.md).
@@ -24,25 +24,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 processes share the cores
 import lightning as L
 import torch
 import transformers
+from hsdp_tp_transformers import CausalLM  # the same ordinary LightningModule (examples/ is the script's sys.path[0])
 
 import meshkit
-
-
-class CausalLM(L.LightningModule):
-    """An ordinary LightningModule: a transformers model, its loss, an optimizer. Nothing meshkit-specific."""
-
-    def __init__(self, config: transformers.LlamaConfig, lr: float = 1e-3) -> None:
-        super().__init__()
-        self.model = transformers.LlamaForCausalLM(config)  # random init, no download
-        self.lr = lr
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 class RowsSeen(L.Callback):
