@@ -6,9 +6,10 @@
     python benchmarks/family_sweep.py --families "" --results sweep.json --write-docs   # its table -> docs/models.md
 
 Each family gets its tiny twin config (:func:`meshkit.families.tiny_config`: 2 layers of tiny width, the test
-vocabulary; sdpa, or where the class has none transformers' eager math in float64, ``hf_models._eager_float64``)
-through ``tests/distributed/hf_models.py`` (``"auto:<model_type>"``), and each preset
-(fsdp2, hsdp_tp, cp, tp_pp) trains it on a 4-process gloo pool (``tests/dist_pool.ProcessPool``) in float64 for
+vocabulary; sdpa, or where the class has none transformers' own eager attention; MoE experts their own per-expert
+loop) through ``tests/distributed/hf_models.py`` (``"auto:<model_type>"``), and each preset
+(fsdp2, hsdp_tp, cp, tp_pp) trains it on a 4-process gloo pool (``tests/dist_pool.ProcessPool``) in float64
+(the family's own float32 steps too: ``hf_models.Float64Math``) for
 ``--steps`` steps, against the same model, seed and batches in one process, as ``tests/distributed/test_model_matrix.py``
 compares: losses at rtol 1e-6, every parameter's update error max|dist-ref| / max|ref-init| at most 1e-6.
 
@@ -98,7 +99,8 @@ def one_process_check(family: str) -> str | None:
     except Exception as e:  # noqa: BLE001 -- any reason a family does not build is a skip reason
         return f"skipped: tiny config does not build ({type(e).__name__}: {_first_words(e, 10)})"
     try:
-        module.loss(T.tokens(2)).backward()
+        with H.float64_math():
+            module.loss(T.tokens(2)).backward()
     except Exception as e:  # noqa: BLE001
         return f"skipped: its one-process float64 forward/backward fails on CPU ({type(e).__name__}: {_first_words(e, 10)})"
     return None

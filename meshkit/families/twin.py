@@ -82,7 +82,8 @@ def _set(config: Any, key: str, value: Any) -> None:
 
 
 def tiny_config(config: Any, layers: int = 2) -> Any:
-    """A copy of the HF ``config`` with ``layers`` layers of :data:`TINY` widths, "eager" attention, no dropout.
+    """A copy of the HF ``config`` with ``layers`` layers of :data:`TINY` widths, "eager" attention and experts, no
+    dropout.
 
     Per-layer lists (``layer_types`` and any list as long as the layer count) keep the entries of the layers
     kept, one layer of each distinct type first, so a sliding/full family stays both. Token ids outside the
@@ -121,6 +122,8 @@ def tiny_config(config: Any, layers: int = 2) -> Any:
         elif ("dropout" in key or "pdrop" in key) and isinstance(value, float):  # hidden_dropout_prob, attn_pdrop...
             setattr(config, key, 0.0)
     config._attn_implementation = "eager"
+    if "_experts_implementation" in dir(config):  # MoE: the family's own per-expert loop (float64 on CPU; torch's
+        config._experts_implementation = "eager"  # grouped matmul has no float64 kernel there)
     return config
 
 

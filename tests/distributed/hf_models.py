@@ -64,14 +64,12 @@ def _config(family: str, overrides: dict | None = None) -> Any:
         config = tiny_config(tf.AutoConfig.for_model(family[len(AUTO):]))
         config.vocab_size = T.VOCAB
         config.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        sdpa = getattr(tf.AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False)
     else:
-        config, sdpa = configs[family](), True
-    if family in EAGER or not sdpa:  # the eager families (and auto ones without sdpa): eager math in float64
-        _register_eager_float64()
-        config._attn_implementation = "eager_float64"
-    else:
-        config._attn_implementation = "sdpa"
+        config = configs[family]()
+    # sdpa where the class has it, else (Gemma2's soft-cap, sinks, ...) transformers' own eager math; both run in
+    # float64 under Float64Math.
+    sdpa = getattr(tf.AutoModelForCausalLM._model_mapping[type(config)], "_supports_sdpa", False)
+    config._attn_implementation = "sdpa" if sdpa else "eager"
     for key, value in (overrides or {}).items():
         setattr(config, key, value)
     for key in ("attention_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
@@ -84,44 +82,40 @@ AUTO = "auto:"
 """``"auto:<model_type>"``: the tiny config of any causal LM transformers registers (meshkit.families.tiny_config,
 eager attention, the test vocabulary), as the family sweep builds it."""
 
-EAGER = ("gemma2",)
-"""Families transformers runs with eager attention only (Gemma2: the attention logit soft-cap). Their cells run
-:func:`_eager_float64` (registered as "eager_float64"): transformers' eager attention takes its softmax in float32,
-whose rounding, amplified by lr 2, is 1e-4 of an update against cp's float64 attention."""
+class Float64Math(torch.overrides.TorchFunctionMode):
+    """Inside it, every float32 a family's code asks for is float64: ``x.float()``, ``.to(torch.float32)``,
+    ``softmax(..., dtype=torch.float32)``, ``torch.arange(..., dtype=torch.float)``.
+
+    Many families compute part of their math in float32 on purpose (RMSNorm's ``x.float()`` in Gemma 1-3, eager
+    attention's float32 softmax, rotary tables, MoE routers). Inside a float64 model that rounds each such step to
+    float32, and a float64 difference of 1e-16 between two equal computations (a sum in another order: the dp
+    ranks' gradient reduction, cp's ring attention) flips a float32 rounding now and then, so the comparison
+    measured float32 rounding amplified by lr 2 (gemma3_text: 1e-6 under fsdp2, 3e-5 under cp), not the layout.
+    With this mode on, in one process and on every rank alike, the family's own code runs as written, in float64:
+    nothing of its math is re-implemented. ``casts`` counts what it changed (the family's float32 steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.casts = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            self.casts += 1
+            return args[0].double()
+        if any(a is torch.float32 for a in args) or any(v is torch.float32 for v in kwargs.values()):
+            self.casts += 1
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
 
 
-def _eager_float64(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
-                   softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager attention (GQA, soft-cap, additive or boolean mask), all in the inputs' dtype; any other
-    argument with a value (sinks, a position bias, ...) raises: this is no family's math."""
-    from meshkit.plugins.context_parallel.integration import _HF_NO_ATTENTION_MATH
+def float64_math(dtype: torch.dtype = DTYPE) -> Any:
+    """:class:`Float64Math` for a float64 run, else a no-op context (a float32 run keeps the family's casts)."""
+    import contextlib
 
-    for name, given in kwargs.items():
-        if name not in _HF_NO_ATTENTION_MATH | {"sliding_window"} and given is not None and given is not False:
-            raise NotImplementedError(f"hf_models._eager_float64 does not implement `{name}`")
-    n_rep = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(n_rep, 1), value.repeat_interleave(n_rep, 1)  # (B, H, S, D)
-    scores = query @ k.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, : k.shape[-2]]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    elif getattr(module, "is_causal", True):  # transformers builds no mask for a causal unpadded batch here
-        t, s = scores.shape[-2:]
-        hidden = torch.ones(t, s, dtype=torch.bool).triu(s - t + 1)
-        if kwargs.get("sliding_window") is not None:  # and the window: keys more than window-1 tokens back
-            hidden |= torch.ones(t, s, dtype=torch.bool).tril(s - t - kwargs["sliding_window"])
-        scores = scores.masked_fill(hidden, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    return (weights @ v).transpose(1, 2).contiguous(), weights  # (B, T, H, D)
+    return Float64Math() if dtype == torch.float64 else contextlib.nullcontext()
 
-
-def _register_eager_float64() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("eager_float64", _eager_float64)
 
 FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "mistral", "gpt2", "phi3", "olmo2")
 
@@ -185,29 +179,11 @@ def dataset(rows: torch.Tensor, loss_form: str) -> Any:
     return IdsDicts(rows) if loss_form == "hf_ids" else rows
 
 
-def _norm_in_float64(module: torch.nn.Module) -> None:
-    """Gemma2's RMSNorm computes in float32 inside the float64 model (x.float()); its rounding, amplified by lr 2
-    through the soft-capped head, is 2e-5..7e-4 of an update under tp_pp (7e-7 even under fsdp2), so its cells run
-    the same formula in the model's dtype: 5e-14 under pp, 3e-9 under tp_pp (eager attention's float32 softmax)."""
-    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
-
-    class Float64Gemma2RMSNorm(Gemma2RMSNorm):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
-
-    for m in module.modules():
-        if type(m) is Gemma2RMSNorm:
-            m.__class__ = Float64Gemma2RMSNorm
-
-
 def build(
     family: str, seed: int = 0, loss_form: str = "ce", overrides: dict | None = None, dtype: torch.dtype = DTYPE
 ) -> CausalLM:
     torch.manual_seed(seed)
-    module = CausalLM(family, loss_form=loss_form, overrides=overrides).to(dtype)
-    if family == "gemma2":
-        _norm_in_float64(module)
-    return module
+    return CausalLM(family, loss_form=loss_form, overrides=overrides).to(dtype)
 
 
 def reference(
@@ -225,12 +201,13 @@ def reference(
     opt = module.configure_optimizers()
     data = T.tokens(steps * T.PER_RANK_BATCH * world)
     losses = []
-    for idx in T.step_batches(len(data), dp, steps):
-        opt.zero_grad()
-        loss = module.loss({"input_ids": data[idx, : T.SEQ]} if loss_form == "hf_ids" else data[idx])
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    with float64_math(dtype):
+        for idx in T.step_batches(len(data), dp, steps):
+            opt.zero_grad()
+            loss = module.loss({"input_ids": data[idx, : T.SEQ]} if loss_form == "hf_ids" else data[idx])
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return losses, init, {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
@@ -275,7 +252,8 @@ def fit(
         callbacks=[recorder, *(callbacks or [])],
     )
     rows = T.tokens(steps * T.PER_RANK_BATCH * world)
-    trainer.fit(module, DataLoader(dataset(rows, loss_form), batch_size=T.PER_RANK_BATCH))
+    with float64_math(dtype):  # as reference() runs the family: its float32 steps in float64
+        trainer.fit(module, DataLoader(dataset(rows, loss_form), batch_size=T.PER_RANK_BATCH))
     dims = trainer.strategy.parallel_dims
     dp = dims.submesh("dp")
     return {
