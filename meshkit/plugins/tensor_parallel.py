@@ -494,7 +494,6 @@ def check_tp_forward(
         >>> check_tp_forward(Transformer(LlamaConfig.tiny()), 2)[:2]
         ['layers.0.attention', 'layers.0.feed_forward']
     """
-    import copy
     import warnings
 
     plan = infer_tp_plan(
@@ -544,8 +543,7 @@ def check_tp_forward(
             continue
         seen.add(key)
         args, kwargs = _to64(captured[name])
-        with torch.no_grad():
-            want = _first_tensor(copy.deepcopy(block).to(torch.float64).eval()(*args, **kwargs))
+        want = _whole_in_a_thread(block, args, kwargs)
         outs, error = _run_ranks(block, styles, tp, args, kwargs)
         if error is None:
             diff = float((sum(outs) - want).abs().max())
@@ -652,6 +650,30 @@ def _rank_block(block: nn.Module, styles: dict, rank: int, tp: int, meet: Any) -
         if isinstance(style, LocalShardNorm) and style.shard_params:
             setattr(local, n, _Gathered(getattr(local, n), rank, tp, meet))
     return local
+
+
+def _whole_in_a_thread(block: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The whole block's float64 output, computed in a fresh thread as :func:`_run_ranks` computes the ranks':
+    thread-local state of the caller (a ``TorchFunctionMode``, autocast) then reaches neither side, so the two
+    sides run the same math (a caller's mode that makes float32 float64 would otherwise reach only this one)."""
+    import copy
+    import threading
+
+    out: list[Any] = [None]
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                out[0] = _first_tensor(copy.deepcopy(block).to(torch.float64).eval()(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            out[0] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def _run_ranks(block: nn.Module, styles: dict, tp: int, args: tuple, kwargs: dict) -> tuple[list, str | None]:

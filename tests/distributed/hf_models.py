@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed import training as T
 
@@ -82,7 +83,7 @@ AUTO = "auto:"
 """``"auto:<model_type>"``: the tiny config of any causal LM transformers registers (meshkit.families.tiny_config,
 eager attention, the test vocabulary), as the family sweep builds it."""
 
-class Float64Math(torch.overrides.TorchFunctionMode):
+class Float64Math(TorchDispatchMode):
     """Inside it, every float32 a family's code asks for is float64: ``x.float()``, ``.to(torch.float32)``,
     ``softmax(..., dtype=torch.float32)``, ``torch.arange(..., dtype=torch.float)``.
 
@@ -92,17 +93,18 @@ class Float64Math(torch.overrides.TorchFunctionMode):
     ranks' gradient reduction, cp's ring attention) flips a float32 rounding now and then, so the comparison
     measured float32 rounding amplified by lr 2 (gemma3_text: 1e-6 under fsdp2, 3e-5 under cp), not the layout.
     With this mode on, in one process and on every rank alike, the family's own code runs as written, in float64:
-    nothing of its math is re-implemented. ``casts`` counts what it changed (the family's float32 steps)."""
+    nothing of its math is re-implemented. ``casts`` counts what it changed (the family's float32 steps).
+
+    A dispatch mode (aten ops, below autograd), not a function mode: the autograd engine keeps it, so backward and
+    activation checkpointing's recomputation inside backward run the same float64 math as the forward (a
+    ``TorchFunctionMode`` is popped while it handles ``Tensor.backward``, and the recomputation ran in float32)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.casts = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.Tensor.float:
-            self.casts += 1
-            return args[0].double()
         if any(a is torch.float32 for a in args) or any(v is torch.float32 for v in kwargs.values()):
             self.casts += 1
             args = tuple(torch.float64 if a is torch.float32 else a for a in args)

@@ -67,3 +67,14 @@ def test_a_family_forward_and_backward_makes_no_float32_tensor_under_it(family):
     assert seen.ops == set() and mode.casts > 0
     assert loss.dtype == torch.float64 and all(p.grad.dtype == torch.float64 for p in module.parameters()
                                                 if p.grad is not None)
+
+
+def test_the_tp_forward_check_runs_both_sides_under_the_same_thread_state():
+    # check_tp_forward runs the tp ranks' copies of a block in threads; the whole block ran in the caller's thread,
+    # so a caller's thread-local mode (this one, autocast) reached one side only: qwen3's per-head norms then
+    # differed by float32 rounding (2.5e-8 of the output) and a right plan was refused. Both sides run in threads.
+    from meshkit.plugins.tensor_parallel import check_tp_forward
+
+    model = H.build("qwen3").model
+    with H.Float64Math():
+        assert check_tp_forward(model, 2) == ["model.layers.0.self_attn", "model.layers.0.mlp"]
