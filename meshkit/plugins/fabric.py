@@ -139,6 +139,7 @@ class NDParallelFabricStrategy(ModelParallelStrategy):
         self._parallel_dims: Optional[ParallelDims] = None
         self._modules: list[nn.Module] = []
         self._sharded_batches = 0  # shard_batch calls: a cp forward before the first one is refused
+        self._cp_applied: Optional[_cp.CPApplied] = None  # the first set-up cp model's record (setup_module)
 
     # ---- layout -------------------------------------------------------------------------------
     @property
@@ -246,6 +247,7 @@ class NDParallelFabricStrategy(ModelParallelStrategy):
         if self.parallel_dims.cp_enabled:  # before FSDP's own pre-forward (its all-gather): no collective yet
             module.register_forward_pre_hook(self._check_sharded, prepend=True)
         self._modules.append(module)
+        self._cp_applied = self._cp_applied or _cp.cp_applied(module)  # once here, not per batch (shard_batch)
         return module
 
     @override
@@ -294,7 +296,7 @@ class NDParallelFabricStrategy(ModelParallelStrategy):
             >>> batch = fabric.strategy.shard_batch(batch)  # doctest: +SKIP
         """
         self._sharded_batches += 1
-        return _cp.step_batch(batch, self.parallel_dims, self.parallel_config.cp_layout, nn.ModuleList(self._modules))
+        return _cp.step_batch(batch, self.parallel_dims, self.parallel_config.cp_layout, self._cp_applied)
 
     def loss_mean(self, loss: torch.Tensor, batch: Any = None) -> torch.Tensor:
         """Under cp > 1: ``loss`` with its value averaged over the dp × cp ranks (every rank the same), its

@@ -102,6 +102,7 @@ class NDParallelStrategy(ModelParallelStrategy):
         self.parallel_config = opts.parallel_config()
         """Every setting of the automatic path; ``precision`` is filled in ``setup_environment``."""
         self._parallel_dims: Optional[ParallelDims] = None
+        self._cp_applied: Optional[_cp.CPApplied] = None  # under cp: the model's record, resolved in setup
         # Pipeline parallelism: inactive unless pp > 1 (meshkit.plugins.pipeline.lightning).
         self._pipeline = PipelineHooks(opts.pp_schedule, opts.pp_microbatches, opts.pp_virtual_stages,
                                        opts.pp_split_points, opts.pp_timeline_dir)
@@ -240,8 +241,10 @@ class NDParallelStrategy(ModelParallelStrategy):
         if not dims.cp_enabled:
             return
         stages = self._pipeline.views if self._pipeline.active else ()
-        applied = next(filter(None, map(_cp.context_parallel_layout, (self.model, *stages))), None)
+        record = next(filter(None, map(_cp.cp_applied, (self.model, *stages))), None)
+        applied = record.layout if record is not None else None
         if applied == layout:
+            self._cp_applied = record  # what every batch's cut reads (batch_to_device): resolved here, once
             return
         where = "`configure_model`" if is_overridden("configure_model", self.lightning_module) else "the model"
         found = "applies no context-parallel attention" if applied is None else f"applies it with `layout={applied!r}`"
@@ -350,9 +353,13 @@ class NDParallelStrategy(ModelParallelStrategy):
     # ---- context parallelism --------------------------------------------------------------------
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``."""
+        """With cp > 1 each rank keeps its part of every sequence: ``{"input_ids", "labels", "positions", ...}``.
+        A padding mask is refused on the host, before the transfer (no device sync)."""
+        applied = self._cp_applied
+        if applied is not None:
+            _cp.check_cp_mask(batch, self._parallel_dims.cp)
         batch = super().batch_to_device(batch, device, dataloader_idx)
-        return _cp.step_batch(batch, self._parallel_dims, self.parallel_config.cp_layout, self.lightning_module)
+        return _cp.step_batch(batch, self._parallel_dims, self.parallel_config.cp_layout, applied, mask=False)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -102,7 +102,7 @@ def test_families_cp_cannot_run_are_refused_in_one_process_naming_cp_1(family, w
 def test_the_position_hook_refuses_tokens_without_the_family_positions():
     model = H.build("auto:camembert").model
     setattr(model, I.CP_POSITION_IDS, families.position_ids_of(model))
-    hook = I._position_hook(None, "load_balanced", "position_ids")
+    hook = I._position_hook(None, "load_balanced", "position_ids", has_rule=True)
     with pytest.raises(ValueError, match=r"derives its position ids from the whole sequence.*shard_batch"):
         hook(model, (), {"input_ids": torch.zeros(1, 8, dtype=torch.long)})
     ids = torch.zeros(1, 8, dtype=torch.long)
@@ -132,3 +132,14 @@ def test_a_window_is_recorded_and_held_against_each_batch_before_any_collective(
     with pytest.raises(ValueError, match=r"the batch's `attention_mask` pads some tokens"):
         I.check_cp_batch(fixed, {"input_ids": torch.zeros(2, 4, dtype=torch.long),
                                  "attention_mask": torch.tensor([[1, 1, 1, 0]] * 2)}, cp=2)
+    # What the front doors hold per batch: the record resolved once (CPApplied), checked without a module walk;
+    # the mask is refused on its own (NDParallelStrategy: on the host, before the transfer) and skipped with mask=False
+    record = I.CPApplied("load_balanced", None, I._window_of(model))
+    assert record.window == (4, "Qwen2Attention", model.config)
+    with pytest.raises(ValueError, match=r"Qwen2Attention attends within `sliding_window=4` tokens, but the sequences "
+                                         r"are 8 long.*`config\.layer_types = \[\"full_attention\"\] \* 3`"):
+        I.check_cp_batch(record, {"input_ids": torch.zeros(2, 4, dtype=torch.long)}, cp=2)
+    padded = {"input_ids": torch.zeros(2, 1, dtype=torch.long), "attention_mask": torch.tensor([[1, 0]] * 2)}
+    I.check_cp_batch(record, padded, cp=2, mask=False)
+    with pytest.raises(ValueError, match=r"the batch's `attention_mask` pads some tokens"):
+        I.check_cp_mask(padded, cp=2)

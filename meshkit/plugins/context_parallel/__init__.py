@@ -33,10 +33,13 @@ Example (2 ranks, run with torchrun)::
 
 from meshkit.plugins.context_parallel.attention import CP_ATTENTIONS, check_cp_heads, context_parallel_attention
 from meshkit.plugins.context_parallel.integration import (
+    CPApplied,
     apply_context_parallel,
     check_cp_batch,
     check_cp_forward,
+    check_cp_mask,
     context_parallel_layout,
+    cp_applied,
     cp_position_ids,
 )
 from meshkit.plugins.context_parallel.steps import step_batch, step_loss
@@ -67,10 +70,13 @@ __all__ = [
     "shard_batch",
     "CPBatch",
     "per_rank_mean_warning",
+    "CPApplied",
     "apply_context_parallel",
     "check_cp_batch",
     "check_cp_forward",
+    "check_cp_mask",
     "context_parallel_layout",
+    "cp_applied",
     "cp_position_ids",
     "step_batch",
     "step_loss",

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 from typing import Any, Callable
@@ -35,10 +36,29 @@ from meshkit.plugins.context_parallel.layout import (
     shard_sequence,
 )
 
-__all__ = ["apply_context_parallel", "check_cp_batch", "check_cp_forward", "context_parallel_layout", "cp_position_ids"]
+__all__ = [
+    "CPApplied", "apply_context_parallel", "check_cp_batch", "check_cp_forward", "check_cp_mask", "cp_applied",
+    "context_parallel_layout", "cp_position_ids",
+]
 
 CP_APPLIED = "_meshkit_context_parallel"
-"""The attribute :func:`apply_context_parallel` sets on the model it made context-parallel: its ``layout``."""
+"""The attribute :func:`apply_context_parallel` sets on the model it made context-parallel: its :class:`CPApplied`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CPApplied:
+    """What :func:`apply_context_parallel` made of a model, resolved once when it is applied, so that cutting a
+    batch (:func:`~meshkit.plugins.context_parallel.step_batch`, every step) walks no modules: the ``layout``, the
+    family's position rule (:func:`cp_position_ids`, or None: 0..T-1), and the smallest sliding window of its
+    attention as ``(window, attention class, config)`` (see :data:`CP_WINDOW`; None: no window).
+
+    >>> CPApplied("load_balanced", None, None).layout
+    'load_balanced'
+    """
+
+    layout: str
+    position_ids: Callable | None
+    window: tuple[int, str, Any] | None
 
 
 class _SDPAToCP(TorchFunctionMode):
@@ -278,7 +298,8 @@ def _cp_forward_mismatch(model: nn.Module, cp: int, layout: str) -> str | None:
         AttentionInterface.register("meshkit_cp_proof", attend)
         twin.set_attn_implementation("meshkit_cp_proof")
         for module in _outermost(twin, lambda m: _position_key(m) is not None):
-            module.register_forward_pre_hook(_position_hook(None, layout, _position_key(module)), with_kwargs=True)
+            hook = _position_hook(None, layout, _position_key(module), has_rule=False)  # a fresh twin: no rule
+            module.register_forward_pre_hook(hook, with_kwargs=True)
         try:
             got = twin(input_ids=shards, **forward_kw).logits
         except ValueError as e:
@@ -330,10 +351,11 @@ def _hf_attention_fn(group: ProcessGroup, attention: str, layout: str) -> Callab
 _HF_NAMES = itertools.count()
 
 
-def _position_hook(group: ProcessGroup | None, layout: str, key: str) -> Callable:
+def _position_hook(group: ProcessGroup | None, layout: str, key: str, has_rule: bool) -> Callable:
     """Fill ``key`` (the module's position argument) when the call gives none: the positions :func:`shard_batch`
     attached to the token ids (the family's own rule where it has one, computed on the whole sequence), else the
-    global positions of this rank's tokens. A module whose family has a rule and tokens without them is refused."""
+    global positions of this rank's tokens. A module whose family has a rule (``has_rule``, resolved when the hook
+    is registered) and tokens without them is refused."""
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if kwargs.get(key) is not None or len(args) > 1:
@@ -341,7 +363,7 @@ def _position_hook(group: ProcessGroup | None, layout: str, key: str) -> Callabl
         tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds", kwargs.get("tokens")))
         positions = getattr(tokens, "_meshkit_cp_positions", None)
         if positions is None:
-            if any(getattr(m, CP_POSITION_IDS, None) is not None for m in module.modules()):
+            if has_rule:
                 raise ValueError(
                     f"apply_context_parallel: {type(module).__name__} derives its position ids from the whole "
                     "sequence's token ids, and these token ids carry none: feed it the `input_ids` of "
@@ -362,22 +384,41 @@ CP_WINDOW = "_meshkit_cp_window"
 window, its attention class); :func:`check_cp_batch` holds each batch's sequence length against it."""
 
 
-def check_cp_batch(module: nn.Module, batch: Any, cp: int) -> None:
+def check_cp_batch(model: nn.Module | CPApplied, batch: Any, cp: int, mask: bool = True) -> None:
     """Refuse, when a batch is cut (NDParallelStrategy: before the step's first collective, on every rank alike),
-    what only the batch shows: sequences longer than a model's sliding window (see :data:`CP_WINDOW`), or an
-    ``attention_mask`` that pads. ``batch`` is a :func:`shard_batch` batch (this rank's part), ``cp`` the cp size.
-    Without this check the same refusals come from the attention call (after FSDP's all-gathers)."""
+    what only the batch shows: sequences longer than a model's sliding window (see :data:`CP_WINDOW`), or (unless
+    ``mask=False``: checked before, :func:`check_cp_mask`) an ``attention_mask`` that pads. ``model`` is the cp
+    model or its :class:`CPApplied` (no module walk); ``batch`` a :func:`shard_batch` batch (this rank's part),
+    ``cp`` the cp size. Without this check the same refusals come from the attention call (after FSDP's
+    all-gathers)."""
     local = batch.get("input_ids") if isinstance(batch, dict) else None
     if not isinstance(local, torch.Tensor):
         return
     seq_len = cp * local.shape[1]
-    for m in module.modules():
-        limit = getattr(m, CP_WINDOW, None)
-        if limit is not None and limit[0] < seq_len:
-            raise ValueError(_window_refusal(limit[1], limit[0], seq_len, getattr(m, "config", None)))
-    mask = batch.get("attention_mask")
+    window = model.window if isinstance(model, CPApplied) else _window_of(model)
+    if window is not None and window[0] < seq_len:
+        raise ValueError(_window_refusal(window[1], window[0], seq_len, window[2]))
+    if mask:
+        check_cp_mask(batch, cp)
+
+
+def check_cp_mask(batch: Any, cp: int) -> None:
+    """Refuse a batch whose ``attention_mask`` pads some tokens (cp computes unpadded causal attention). On a
+    host tensor it costs nothing; on an accelerator it waits for the device, so NDParallelStrategy checks the
+    batch before moving it (``batch_to_device``).
+
+    >>> check_cp_mask({"attention_mask": torch.ones(1, 4, dtype=torch.bool)}, cp=2)
+    """
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
     if isinstance(mask, torch.Tensor) and not bool(mask.all()):
         raise ValueError(f"NDParallelStrategy(cp={cp}): the batch's `attention_mask` pads some tokens; {_MASK_REFUSAL}")
+
+
+def _window_of(model: nn.Module) -> tuple[int, str, Any] | None:
+    """The smallest :data:`CP_WINDOW` inside ``model``, with the config of the module that holds it."""
+    limits = [(*getattr(m, CP_WINDOW), getattr(m, "config", None)) for m in model.modules()
+              if getattr(m, CP_WINDOW, None) is not None]
+    return min(limits, key=lambda limit: limit[0]) if limits else None
 
 
 CP_POSITION_IDS = "_meshkit_cp_position_ids"
@@ -388,6 +429,16 @@ CP_POSITION_IDS = "_meshkit_cp_position_ids"
 def cp_position_ids(module: nn.Module) -> Callable | None:
     """The position rule of the first cp model inside ``module`` that has one (for :func:`shard_batch`), else None."""
     return _first_mark(module, CP_POSITION_IDS)
+
+
+def cp_applied(model: nn.Module) -> CPApplied | None:
+    """The :class:`CPApplied` record of the first module in ``model`` (itself first) that
+    :func:`apply_context_parallel` made context-parallel, or None. One module walk: resolve it once, at set-up.
+
+    >>> cp_applied(nn.Linear(2, 2)) is None
+    True
+    """
+    return _first_mark(model, CP_APPLIED)
 
 
 def _first_mark(module: nn.Module, name: str) -> Any:
@@ -471,8 +522,10 @@ def apply_context_parallel(
     for module in targets:
         _install_mode(module, group, attention, layout)
     for module in _outermost(model, lambda m: _position_key(m) is not None):
-        module.register_forward_pre_hook(_position_hook(group, layout, _position_key(module)), with_kwargs=True)
-    setattr(model, CP_APPLIED, layout)
+        has_rule = _first_mark(module, CP_POSITION_IDS) is not None
+        hook = _position_hook(group, layout, _position_key(module), has_rule)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+    setattr(model, CP_APPLIED, CPApplied(layout, cp_position_ids(model), _window_of(model)))
     return model
 
 
@@ -484,7 +537,8 @@ def context_parallel_layout(model: nn.Module) -> str | None:
     >>> context_parallel_layout(nn.Linear(2, 2)) is None
     True
     """
-    return _first_mark(model, CP_APPLIED)
+    applied = cp_applied(model)
+    return applied.layout if applied is not None else None
 
 
 def _use_hf_attention(model: nn.Module, group: ProcessGroup, attention: str, layout: str) -> None:

@@ -10,7 +10,8 @@ so the value a loop reports is the mean over dp × cp (:func:`step_loss`). The T
 
 Example (``dims`` a built :class:`~meshkit.plugins.dims.ParallelDims`)::
 
-    >>> batch = step_batch(batch, dims, "load_balanced", model)        # doctest: +SKIP
+    >>> applied = cp_applied(model)                                     # doctest: +SKIP
+    >>> batch = step_batch(batch, dims, "load_balanced", applied)      # doctest: +SKIP
     >>> loss = step_loss(model(**batch).loss, batch, dims)             # doctest: +SKIP
 """
 
@@ -20,9 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from meshkit.plugins.context_parallel.integration import check_cp_batch, cp_position_ids
+from meshkit.plugins.context_parallel.integration import CPApplied, check_cp_batch
 from meshkit.plugins.context_parallel.layout import per_rank_mean_warning, shard_batch
 
 if TYPE_CHECKING:
@@ -35,21 +35,24 @@ def _cp_on(dims: Optional["ParallelDims"]) -> bool:
     return dims is not None and dims.cp_enabled
 
 
-def step_batch(batch: Any, dims: Optional["ParallelDims"], layout: str, module: Optional[nn.Module]) -> Any:
+def step_batch(
+    batch: Any, dims: Optional["ParallelDims"], layout: str, applied: Optional[CPApplied], mask: bool = True
+) -> Any:
     """This rank's part of ``batch`` under cp > 1 (:func:`~meshkit.plugins.context_parallel.shard_batch` over
     ``mesh["cp"]``: a :class:`~meshkit.plugins.context_parallel.CPBatch`); ``batch`` itself otherwise.
 
-    ``module`` (the model being trained, or None) gives the family's own position ids
-    (:func:`~meshkit.plugins.context_parallel.cp_position_ids`) and is checked against the cut batch
-    (:func:`~meshkit.plugins.context_parallel.check_cp_batch`: a sliding window shorter than the sequence, a
-    padding mask), before the step's first collective. Call it after the batch is on its device (the cut records
-    the targets' counts on the tensors it returns)."""
+    ``applied`` (the trained model's :func:`~meshkit.plugins.context_parallel.cp_applied` record, resolved once
+    at set-up, or None) gives the family's own position ids and is checked against the cut batch
+    (:func:`~meshkit.plugins.context_parallel.check_cp_batch`: a sliding window shorter than the sequence and,
+    unless ``mask=False`` because the caller checked it on the host, a padding mask), before the step's first
+    collective. No module walk, no device sync besides the mask's. Call it after the batch is on its device (the
+    cut records the targets' counts on the tensors it returns)."""
     if not _cp_on(dims):
         return batch
-    rule = cp_position_ids(module) if module is not None else None  # RoBERTa's offset, ...; None: 0..T-1
+    rule = applied.position_ids if applied is not None else None  # RoBERTa's offset, ...; None: 0..T-1
     batch = shard_batch(batch, dims.submesh("cp"), layout=layout, position_ids=rule)
-    if module is not None:
-        check_cp_batch(module, batch, dims.cp)
+    if applied is not None:
+        check_cp_batch(applied, batch, dims.cp, mask=mask)
     return batch
 
 
