@@ -306,6 +306,20 @@ def _one_group_per_rank_set() -> Iterator[None]:
         device_mesh.new_group = create
 
 
+def _gloo_devices(gloo: Any, default: Any) -> Any:
+    """The default gloo group's devices, or None where ``default`` is no ``gloo`` group or this torch lacks any
+    internal :func:`_singleton_groups_share_a_device` uses (``options._devices``, ``_Options`` with
+    ``_devices``, ``_threads`` and ``_timeout``): then the one-rank groups stay torch's own."""
+    if gloo is None or not isinstance(default, gloo) or not hasattr(gloo, "_Options"):
+        return None
+    devices = getattr(getattr(default, "options", None), "_devices", None)
+    try:
+        fields = dir(gloo._Options())
+    except Exception:  # noqa: BLE001 -- an Options that cannot be built empty: not the internals known here
+        return None
+    return devices if devices and {"_devices", "_threads", "_timeout"} <= set(fields) else None
+
+
 @contextlib.contextmanager
 def _singleton_groups_share_a_device() -> Iterator[None]:
     """While meshkit builds its mesh, a one-rank gloo group uses the default group's gloo device, one worker thread.
@@ -327,10 +341,10 @@ def _singleton_groups_share_a_device() -> Iterator[None]:
         default = c10d._get_default_group()._get_backend(torch.device("cpu"))
     except (RuntimeError, ValueError):  # no default group, or no gloo backend for cpu tensors: nothing to share
         default = None
-    if gloo is None or not isinstance(default, gloo):
+    devices = _gloo_devices(gloo, default)
+    if devices is None:  # not gloo, or a torch without these internals: torch's own one-rank groups
         yield
         return
-    devices = default.options._devices
 
     class _OneRankSharedDevice(gloo):  # type: ignore[misc, valid-type]
         def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:

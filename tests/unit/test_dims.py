@@ -235,3 +235,55 @@ def test_parallel_config_rejects_bad_settings():
     with pytest.raises(ValueError, match=r"`cp_attention='tree'` must be one of"):
         ParallelConfig(cp_attention="tree")
     assert ParallelConfig(precision="bf16-mixed").mp_policy.param_dtype == torch.bfloat16
+
+
+def test_one_rank_groups_fall_back_to_torch_s_own_where_its_gloo_internals_are_missing():
+    # _singleton_groups_share_a_device uses private torch internals (checked on torch 2.6-2.13); a torch without
+    # any of them gets torch's own one-rank groups, not an AttributeError in the middle of building the mesh.
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from meshkit.plugins import dims as D
+
+    class Options:  # the internals as torch 2.13 has them
+        def __init__(self) -> None:
+            self._devices = self._threads = self._timeout = None
+
+    class Gloo:
+        _Options = Options
+
+        def __init__(self) -> None:
+            self.options = types.SimpleNamespace(_devices=["tcp device"])
+
+    class NoThreads(Options):
+        def __init__(self) -> None:
+            self._devices = self._timeout = None
+
+    class WithoutThreads(Gloo):
+        _Options = NoThreads
+
+    class WithoutOptions:
+        def __init__(self) -> None:
+            self.options = types.SimpleNamespace(_devices=["tcp device"])
+
+    class WithoutDevices(Gloo):
+        def __init__(self) -> None:
+            self.options = types.SimpleNamespace()
+
+    assert D._gloo_devices(Gloo, Gloo()) == ["tcp device"]
+    for cls in (WithoutThreads, WithoutOptions, WithoutDevices):
+        assert D._gloo_devices(cls, cls()) is None, cls.__name__
+    assert D._gloo_devices(Gloo, object()) is None  # the default group is no gloo group
+    assert D._gloo_devices(None, Gloo()) is None  # torch built without gloo
+
+    gloo = c10d.ProcessGroupGloo
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:  # this torch: the internals are there, and the one-rank class is swapped in only inside the context
+        assert D._gloo_devices(gloo, c10d._get_default_group()._get_backend(torch.device("cpu")))
+        with D._singleton_groups_share_a_device():
+            assert c10d.ProcessGroupGloo is not gloo
+        assert c10d.ProcessGroupGloo is gloo
+    finally:
+        dist.destroy_process_group()
