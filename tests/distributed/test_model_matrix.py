@@ -21,8 +21,8 @@ from tests.distributed import training as T
 
 STEPS = 6
 MAX_UPDATE_ERROR = 1e-6
-"""In float64 (hf_models.DTYPE) a correct layout lands at 1e-13..1e-15 on every family but Gemma, whose norms compute
-in float32 inside the float64 model (1.6e-7); a wrong gradient at lr 2 is >= 1e-2. The limit sits between."""
+"""In float64 (hf_models.DTYPE, the families' own float32 steps too: hf_models.Float64Math) a correct layout lands
+at 1e-12..1e-15 on every family; a wrong gradient at lr 2 is >= 1e-2. The limit sits between."""
 MAX_LOSS_RTOL = 1e-6
 PRESETS = {"fsdp2": dict(dp_shard=4, tp=1), "hsdp_tp": dict(dp_shard=2, tp=2)}
 REFUSED_UNDER_TP = {"gpt2": "Conv1D", "phi3": "qkv_proj"}
