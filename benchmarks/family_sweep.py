@@ -116,12 +116,17 @@ def _compare(family: str, results: list[dict], overrides: dict, steps: int) -> t
     return losses_ok and worst <= MAX_UPDATE_ERROR, worst
 
 
-def run_cell(pool: ProcessPool, family: str, preset: str, steps: int) -> str:
+CELL_TIMEOUT_S = 240.0
+"""How long one fit of a cell may take on the pool (``--cell-timeout``): past it the cell is a raw error
+("TimeoutError"), a time-out on a slow or loaded host, not a verdict: rerun that family alone with more."""
+
+
+def run_cell(pool: ProcessPool, family: str, preset: str, steps: int, timeout: float = CELL_TIMEOUT_S) -> str:
     """One cell's verdict (see the module docstring)."""
     strategy, overrides, fixed = dict(PRESETS[preset]), {}, False
     for attempt in range(3):  # the run, then up to two fixes (e.g. untie for pp, then a tp_plan)
         try:
-            results = pool.run(H.fit, family, strategy, steps, "ce", overrides or None, timeout=240)
+            results = pool.run(H.fit, family, strategy, steps, "ce", overrides or None, timeout=timeout)
         except Exception as e:  # noqa: BLE001 -- classify every failure
             text = f"{type(e).__name__}: {e}"
             refusal = _refusal(text)
@@ -143,24 +148,46 @@ def run_cell(pool: ProcessPool, family: str, preset: str, steps: int) -> str:
 
 def sweep(
     families: list[str], presets: list[str], steps: int, pool: ProcessPool | None = None, log: Any = print,
-    on_row: Any = None,
+    on_row: Any = None, timeout: float = CELL_TIMEOUT_S,
 ) -> dict[str, dict[str, str]]:
     """{model_type: {preset: verdict}} for ``families`` (model types, without the ``auto:`` prefix), on ``pool``
     (a 4-process :class:`ProcessPool`; one is started when None); ``on_row(model_type, row, seconds)`` after each."""
     if pool is None:
         with ProcessPool(world_size=4) as own:
-            return sweep(families, presets, steps, own, log, on_row)
+            return sweep(families, presets, steps, own, log, on_row, timeout)
     table: dict[str, dict[str, str]] = {}
     for model_type in families:
         family = H.AUTO + model_type
         t0 = time.perf_counter()
         skip = one_process_check(family)
-        table[model_type] = {p: skip or run_cell(pool, family, p, steps) for p in presets}
+        table[model_type] = {p: skip or run_cell(pool, family, p, steps, timeout) for p in presets}
         seconds = time.perf_counter() - t0
         log(f"{model_type:28s} {seconds:6.1f}s  " + " | ".join(table[model_type].values()), flush=True)
         if on_row is not None:
             on_row(model_type, table[model_type], seconds)
     return table
+
+
+FLOOR_ABOVE = 1e-12
+"""A row whose exact cells reach above this gets its one-process floor measured (``--floors``)."""
+
+
+def worst_exact(row: dict[str, str]) -> float:
+    """The largest update error among a row's exact cells ("exact", "refused, fix exact"); 0 with none."""
+    found = [float(m.group(1)) for c in row.values() if "exact (" in c and "MISMATCH" not in c
+             for m in [re.search(r"exact \(([0-9.e+-]+)\)", c)] if m]
+    return max(found, default=0.0)
+
+
+def floors(table: dict[str, dict[str, str]], known: dict[str, float], steps: int, log: Any = print) -> dict[str, float]:
+    """:func:`hf_models.noise_floor` of every row whose exact cells reach above :data:`FLOOR_ABOVE` (those
+    already in ``known`` kept): the family's own rounding in one process, to read those cells against."""
+    out = dict(known)
+    for family, row in sorted(table.items()):
+        if family not in out and worst_exact(row) > FLOOR_ABOVE:
+            out[family] = H.noise_floor(H.AUTO + family, steps, dp=2)  # both runs under Float64Math
+            log(f"{family:28s} floor {out[family]:.0e} (cells up to {worst_exact(row):.0e})", flush=True)
+    return out
 
 
 def summary(table: dict[str, dict[str, str]]) -> dict[str, int]:
@@ -173,8 +200,9 @@ def summary(table: dict[str, dict[str, str]]) -> dict[str, int]:
     return counts
 
 
-def markdown(table: dict[str, dict[str, str]], meta: dict[str, Any]) -> str:
+def markdown(table: dict[str, dict[str, str]], meta: dict[str, Any], floor: dict[str, float] | None = None) -> str:
     counts = summary(table)
+    floor = floor or {}
     lines = [
         BEGIN,
         f"Swept with transformers {meta['transformers']}, torch {meta['torch']}, {meta['steps']} steps, "
@@ -182,18 +210,25 @@ def markdown(table: dict[str, dict[str, str]], meta: dict[str, Any]) -> str:
         f"(`python benchmarks/family_sweep.py`). Cells: "
         + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".",
         "",
-        "| family | " + " | ".join(PRESETS) + " |",
-        "|---|" + "---|" * len(PRESETS),
+        "The last column is the family's own rounding floor in one process (`--floors`: the same steps with each "
+        "batch summed in two halves), measured where a row's exact cells reach above "
+        f"{FLOOR_ABOVE:.0e}; a cell near its floor is exact, a wrong layout is off by 1e-2 or more.",
+        "",
+        "| family | " + " | ".join(PRESETS) + " | one-process floor |",
+        "|---|" + "---|" * (len(PRESETS) + 1),
     ]
     for family in sorted(table):
-        lines.append(f"| {family} | " + " | ".join(table[family].get(p, "not run") for p in PRESETS) + " |")
+        cells = [table[family].get(p, "not run") for p in PRESETS]
+        measured = f"{floor[family]:.0e}" if family in floor else ""
+        lines.append(f"| {family} | " + " | ".join(cells) + f" | {measured} |")
     lines.append(END)
     return "\n".join(lines)
 
 
-def write_docs(table: dict[str, dict[str, str]], meta: dict[str, Any], path: Path = DOCS) -> None:
+def write_docs(table: dict[str, dict[str, str]], meta: dict[str, Any], path: Path = DOCS,
+               floor: dict[str, float] | None = None) -> None:
     text = path.read_text()
-    block = markdown(table, meta)
+    block = markdown(table, meta, floor)
     if BEGIN in text:
         text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
     else:
@@ -208,8 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", help="comma-separated model types (default: every registered one)")
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cell-timeout", type=float, default=CELL_TIMEOUT_S, help="seconds one cell's fit may take")
     parser.add_argument("--results", type=Path, help="JSON file to merge this run's cells into (kept across runs)")
     parser.add_argument("--write-docs", action="store_true", help="write the (merged) table into docs/models.md")
+    parser.add_argument("--floors", action="store_true",
+                        help=f"measure the one-process floor of rows with exact cells above {FLOOR_ABOVE:.0e}")
     args = parser.parse_args(argv)
     families = registered_families() if args.families is None else [f for f in args.families.split(",") if f]
     merged: dict[str, Any] = {"table": {}, "seconds": 0.0}
@@ -223,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             args.results.write_text(json.dumps(merged, indent=1, sort_keys=True))
 
     if families:
-        sweep(families, args.presets.split(","), args.steps, on_row=keep)
+        sweep(families, args.presets.split(","), args.steps, on_row=keep, timeout=args.cell_timeout)
     meta = dict(transformers=transformers.__version__, torch=torch.__version__, steps=args.steps,
                 registered=len(registered_families()), seconds=merged["seconds"])
+    if args.floors:
+        merged["floors"] = floors(merged["table"], merged.get("floors", {}), args.steps)
+        if args.results:
+            args.results.write_text(json.dumps(merged, indent=1, sort_keys=True))
     print(summary(merged["table"]))
     if args.write_docs:
-        write_docs(merged["table"], meta)
+        write_docs(merged["table"], meta, floor=merged.get("floors"))
     return 0
 
 

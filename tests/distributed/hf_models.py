@@ -190,10 +190,12 @@ def build(
 
 def reference(
     family: str, steps: int, dp: int, world: int = 4, loss_form: str = "ce", overrides: dict | None = None,
-    dtype: torch.dtype = DTYPE, fused_kernels: bool = False,
+    dtype: torch.dtype = DTYPE, fused_kernels: bool = False, micro: int = 1,
 ) -> tuple[list[float], dict, dict]:
     """One process, each step's global batch: (losses, initial parameters, final parameters). ``fused_kernels``
-    patches the model as the strategy's option does (meshkit.integrations.apply_fused_kernels)."""
+    patches the model as the strategy's option does (meshkit.integrations.apply_fused_kernels). ``micro`` > 1
+    accumulates each step's batch in that many equal parts: the same step summed in another order, whose distance
+    to ``micro=1`` is the family's own rounding floor (:func:`noise_floor`)."""
     module = build(family, loss_form=loss_form, overrides=overrides, dtype=dtype)
     if fused_kernels:
         from meshkit.integrations import apply_fused_kernels
@@ -206,11 +208,24 @@ def reference(
     with float64_math(dtype):
         for idx in T.step_batches(len(data), dp, steps):
             opt.zero_grad()
-            loss = module.loss({"input_ids": data[idx, : T.SEQ]} if loss_form == "hf_ids" else data[idx])
-            loss.backward()
+            loss = 0.0
+            for part in torch.tensor_split(idx, micro):
+                part_loss = module.loss({"input_ids": data[part, : T.SEQ]} if loss_form == "hf_ids" else data[part])
+                (part_loss * (len(part) / len(idx))).backward()
+                loss = loss + part_loss.detach() * (len(part) / len(idx))
             opt.step()
-            losses.append(loss.item())
+            losses.append(float(loss))
     return losses, init, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def noise_floor(family: str, steps: int, dp: int, overrides: dict | None = None) -> float:
+    """The worst update error between two one-process runs of the same steps, one summing each step's batch in
+    two halves: how far the family's own float64 rounding, amplified by lr 2, moves its parameters with no
+    layout at all (llama 6e-15; post-LayerNorm families such as BERT 3e-9 and BioGPT 5e-8). A distributed cell
+    near it is exact; far above it (1e-2 for a wrong gradient), it is not."""
+    _, init, want = reference(family, steps, dp, overrides=overrides)
+    _, _, split = reference(family, steps, dp, overrides=overrides, micro=2)
+    return max(update_errors(split, init, want).values())
 
 
 def _tp_replica_spread(module: torch.nn.Module, tp_mesh: Any) -> dict[str, float]:

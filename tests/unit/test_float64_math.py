@@ -78,3 +78,10 @@ def test_the_tp_forward_check_runs_both_sides_under_the_same_thread_state():
     model = H.build("qwen3").model
     with H.Float64Math():
         assert check_tp_forward(model, 2) == ["model.layers.0.self_attn", "model.layers.0.mlp"]
+
+
+def test_the_one_process_floor_tells_a_family_s_own_rounding_from_a_layout():
+    # noise_floor: the same steps with each batch summed in two halves. Llama's float64 rounding stays at 1e-14;
+    # BioGPT (post-LayerNorm) amplifies it to ~5e-8 with no layout at all, which is what its exact cells read.
+    assert H.noise_floor("llama", 3, dp=2) < 1e-12
+    assert 1e-10 < H.noise_floor(H.AUTO + "biogpt", 3, dp=2) < 1e-6
