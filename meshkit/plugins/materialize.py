@@ -12,8 +12,10 @@ RMSNorm weights likewise, and the fit completed with a NaN loss. :func:`material
    ``reset_parameters()``, and at each transformers ``PreTrainedModel`` its ``initialize_weights`` sweep (rotary
    tables from the config, norms, ``initializer_range`` draws, GPT-2's scaled residual projections); a tied
    weight is drawn as the two tensors it was while being built and keeps its first holder's values, and stays
-   tied (``to_empty`` unties plain tensors). From the build's RNG state one process gets the build's values bit
-   for bit, where the build draws only in those inits;
+   tied (``to_empty`` unties plain tensors). Each random fill of a sharded parameter draws the whole tensor and
+   keeps this rank's part (:func:`_whole_draws`; DTensor alone made every shard a copy of the first). From the
+   build's RNG state, on every rank, one process or sharded, the build's values come out bit for bit, where the
+   build draws only in those inits;
 4. refuses, on every rank alike (the verdicts are gathered), any tensor some part of which is still NaN or the
    sentinel: it names the tensors, their modules and the fix.
 
@@ -128,6 +130,39 @@ def _retie(ties: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
         _table(owner, attr)[attr] = t
 
 
+def _whole_draws() -> Any:
+    """A dispatch mode in which each random fill of a DTensor draws the whole tensor, as one process draws it, and
+    keeps this rank's part of it.
+
+    DTensor fills each shard from the rank's own generator instead (torch's sharded RNG is CUDA-only): every rank
+    starts from the same state, so on 4 gloo ranks the 4 dp shards of an embedding and the tp shards of every
+    projection came out as copies of one another, and the RNG stream no longer matched one process's. The whole draw
+    holds one full tensor at a time (the largest: the embedding) and advances every rank's generator as the build
+    advanced it. It works at the aten level (``normal_``, ``uniform_``, ...), under ``nn.init``'s functions, which a
+    ``TorchFunctionMode`` sees only from outside. ``TorchDispatchMode`` lives in the private
+    ``torch.utils._python_dispatch`` (no public path; checked on torch 2.13)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    draws = {aten.normal_, aten.uniform_, aten.bernoulli_, aten.random_, aten.exponential_, aten.cauchy_,
+             aten.log_normal_, aten.geometric_}  # what nn.init draws with (trunc_normal_: uniform_, mapped)
+
+    class WholeDraws(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            kwargs = kwargs or {}
+            if getattr(func, "overloadpacket", None) not in draws or not isinstance(args[0], DTensor):
+                return func(*args, **kwargs)
+            t = args[0]
+            local = t.to_local()
+            whole = torch.empty(t.shape, dtype=t.dtype, device=local.device)
+            func(whole, *args[1:], **kwargs)
+            local.copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local())
+            return t
+
+    return WholeDraws()
+
+
 def _hf_base() -> type | None:
     transformers = sys.modules.get("transformers")  # none unless the model's code imported it
     return getattr(transformers, "PreTrainedModel", None)
@@ -205,7 +240,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
                 del t._is_hf_initialized
     ties = _untie(module)
     try:
-        failed = _replay_init(module)
+        with _whole_draws():
+            failed = _replay_init(module)
     finally:
         _retie(ties)
     if failed:

@@ -13,7 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,77 @@ def float64_math(dtype: torch.dtype = DTYPE) -> Any:
 
 
 FAMILIES = ("llama", "llama_tied", "qwen2", "qwen3", "gemma", "mistral", "gpt2", "phi3", "olmo2")
+
+DRAWN_IN_INIT = {"gpt2": "transformers' Conv1D draws its weight in `__init__` (no `reset_parameters()` replays it)"}
+"""Families whose build draws random numbers outside any init meshkit can replay: the RNG streams part there, so
+their random parameters are compared by distribution (every other family: bit for bit)."""
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build under ``dtype`` (a buffer computed in it is not rounded through float32 before a cast)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def own_init(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> CausalLM:
+    """The family built for real under default dtype ``dtype`` from ``seed``: the truth an ``empty_init`` build
+    (materialized from the same RNG state) is compared with by :func:`init_mismatches`."""
+    with default_dtype(dtype):
+        torch.manual_seed(seed)
+        return CausalLM(family)
+
+
+def empty_init(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> CausalLM:
+    """The family built on the meta device (as under ``trainer.init_module(empty_init=True)``) and materialized in
+    one process from ``seed``'s RNG state."""
+    from meshkit.plugins.materialize import materialize
+
+    with default_dtype(dtype):
+        with torch.device("meta"):
+            empty = CausalLM(family)
+        torch.manual_seed(seed)  # the meta build drew nothing
+        materialize(empty, torch.device("cpu"))
+    return empty
+
+
+def init_tensors(module: torch.nn.Module) -> tuple[dict, dict]:
+    """``(buffers, parameters)`` by name, what :func:`init_mismatches` compares (every name of a shared buffer)."""
+    return dict(module.named_buffers(remove_duplicate=False)), dict(module.named_parameters())
+
+
+def init_mismatches(want: tuple[dict, dict], got: tuple[dict, dict], by_distribution: bool = False) -> list[str]:
+    """What of an ``empty_init`` build's ``(buffers, parameters)`` differs from the build ``want``: every buffer bit
+    for bit (rotary tables, embedding scales); every parameter bit for bit, or with ``by_distribution`` (a
+    :data:`DRAWN_IN_INIT` family against its own init) constants (norms, biases) bit for bit and random ones by
+    distribution (std and mean within 6 sigma of a sample's). One line per tensor that differs; none when equal."""
+    out: list[str] = []
+    for kind, w_all, g_all in (("buffer", want[0], got[0]), ("parameter", want[1], got[1])):
+        if w_all.keys() != g_all.keys():
+            out.append(f"{kind} names differ: {sorted(set(w_all) ^ set(g_all))}")
+            continue
+        for name, w in w_all.items():
+            w, g = w.detach(), g_all[name].detach()
+            if torch.equal(w, g):
+                continue
+            if w.shape != g.shape or w.dtype != g.dtype:
+                out.append(f"{kind} {name}: {tuple(g.shape)} {g.dtype}, want {tuple(w.shape)} {w.dtype}")
+                continue
+            if kind == "parameter" and by_distribution and float(w.std()) != 0.0:
+                n = w.numel()  # a sample std's relative error is ~1/sqrt(2n); a mean's is std/sqrt(n): 6 sigma
+                if (abs(float(g.std()) / float(w.std()) - 1) < 6 / (2 * n) ** 0.5
+                        and abs(float(g.mean()) - float(w.mean())) < 6 * float(w.std()) * (2 / n) ** 0.5):
+                    continue
+                out.append(f"{kind} {name}: std {float(g.std()):.4g} mean {float(g.mean()):.4g}, want std "
+                           f"{float(w.std()):.4g} mean {float(w.mean()):.4g}")
+                continue
+            out.append(f"{kind} {name}: max |got - want| {float((g.double() - w.double()).abs().max()):.3g} "
+                       f"(got {g.flatten()[:3].tolist()}, want {w.flatten()[:3].tolist()})")
+    return out
 
 
 def _lightning_base() -> type:

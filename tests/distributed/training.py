@@ -112,13 +112,20 @@ def reference(
     return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def full_params(module: Any) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor (a collective for DTensors: call on every rank)."""
+def _full(named: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()
-    }
+    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in named}
+
+
+def full_params(module: Any) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (a collective for DTensors: call on every rank)."""
+    return _full(module.named_parameters())
+
+
+def full_buffers(module: Any) -> dict[str, torch.Tensor]:
+    """Every buffer as a full tensor, each name of a shared one (a collective for DTensors: call on every rank)."""
+    return _full(module.named_buffers(remove_duplicate=False))
 
 
 def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float = 1e-4) -> None:

@@ -62,29 +62,6 @@ def test_a_model_without_meta_tensors_is_left_alone():
 
 
 # ---- every family of the model matrix: the meta build, materialized, is the model its own build makes ----------
-def _family_pair(family: str) -> tuple[nn.Module, nn.Module]:
-    """(built for real, built on meta then materialized), both in float64 from the same RNG state."""
-    from tests.distributed import hf_models as H
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # built in float64: no float32 rounding of a buffer before a cast
-    try:
-        torch.manual_seed(0)
-        real = H.CausalLM(family)
-        with torch.device("meta"):  # what `trainer.init_module(empty_init=True)` builds under
-            empty = H.CausalLM(family)
-        torch.manual_seed(0)
-        materialize(empty, torch.device("cpu"))
-    finally:
-        torch.set_default_dtype(default)
-    return real, empty
-
-
-DRAWN_IN_INIT = {"gpt2": "transformers' Conv1D draws its weight in `__init__` (no `reset_parameters()` replays it)"}
-"""Families whose build draws random numbers outside any init meshkit can replay: the RNG streams part there, so
-their random tensors are compared by distribution (every other family: bit for bit)."""
-
-
 def _families() -> tuple[str, ...]:
     from tests.distributed.hf_models import FAMILIES
 
@@ -93,24 +70,10 @@ def _families() -> tuple[str, ...]:
 
 @pytest.mark.parametrize("family", _families())
 def test_an_empty_init_model_of_every_family_is_the_one_its_own_init_builds(family):
-    real, empty = _family_pair(family)
-    want = dict(real.named_buffers(remove_duplicate=False))
-    got = dict(empty.named_buffers(remove_duplicate=False))
-    assert want.keys() == got.keys()
-    assert [n for n in want if not torch.equal(want[n], got[n])] == []  # rotary tables, embed scales: bit for bit
+    from tests.distributed import hf_models as H
+
+    real, empty = H.own_init(family), H.empty_init(family)  # float64, from the same RNG state
     ties = [n for n, _ in real.named_parameters(remove_duplicate=False) if n not in dict(real.named_parameters())]
     assert ties == [n for n, _ in empty.named_parameters(remove_duplicate=False)
                     if n not in dict(empty.named_parameters())]  # a tied head stays tied (to_empty unties it)
-    want, got = dict(real.named_parameters()), dict(empty.named_parameters())
-    assert want.keys() == got.keys()
-    if family not in DRAWN_IN_INIT:
-        assert [n for n in want if not torch.equal(want[n], got[n])] == []
-        return
-    for name, w in want.items():
-        g = got[name].detach()
-        if float(w.std()) == 0.0:  # constants (norms, biases): exactly
-            assert torch.equal(w, g), name
-            continue
-        n = w.numel()  # a sample std's relative error is ~1/sqrt(2n); a mean's is std/sqrt(n): 6 sigma
-        assert abs(float(g.std()) / float(w.std()) - 1) < 6 / (2 * n) ** 0.5, (name, float(g.std()), float(w.std()))
-        assert abs(float(g.mean()) - float(w.mean())) < 6 * float(w.std()) * (2 / n) ** 0.5, name
+    assert H.init_mismatches(H.init_tensors(real), H.init_tensors(empty), family in H.DRAWN_IN_INIT) == []
