@@ -92,12 +92,34 @@ def _fix_of(refusal: str) -> tuple[dict, dict] | None:
     return None
 
 
+MAX_TINY_PARAMS = 5_000_000
+"""A tiny twin above this many parameters is skipped: its config has parts tiny_config does not shrink (a
+multimodal family's towers: phi4_multimodal's twin holds 870 M in `embed_tokens_extend`), and its 4-rank cells
+ran past the cell timeout (the twins of the text families hold 20-200 k)."""
+
+
+def _largest_child(module: torch.nn.Module) -> tuple[str, int]:
+    """(dotted name, parameters) of the deepest submodule holding 90 % or more of ``module``'s parameters."""
+    name, total = "", sum(p.numel() for p in module.parameters())
+    while True:
+        sizes = [(n, m, sum(p.numel() for p in m.parameters())) for n, m in module.named_children()]
+        child = max(sizes, key=lambda item: item[2], default=None)
+        if child is None or child[2] < 0.9 * total:
+            return name, total
+        name, module, total = f"{name}.{child[0]}".lstrip("."), child[1], child[2]
+
+
 def one_process_check(family: str) -> str | None:
     """Why ``family`` is skipped (None: it builds and runs a float64 forward and backward in one process)."""
     try:
         module = H.build(family)
     except Exception as e:  # noqa: BLE001 -- any reason a family does not build is a skip reason
         return f"skipped: tiny config does not build ({type(e).__name__}: {_first_words(e, 10)})"
+    size = sum(p.numel() for p in module.parameters())
+    if size > MAX_TINY_PARAMS:
+        part, held = _largest_child(module)
+        return (f"skipped: its tiny config is not tiny ({size / 1e6:.0f} M parameters, {held / 1e6:.0f} M in "
+                f"`{part}`: parts tiny_config does not shrink)")
     try:
         with H.float64_math():
             module.loss(T.tokens(2)).backward()

@@ -1,0 +1,39 @@
+"""benchmarks/family_sweep.py's own parts that decide a row without a pool: the tiny-size skip, the floor column."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _sweep():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_skip_names_the_part_that_holds_the_parameters():
+    sweep = _sweep()
+    towers = nn.Module()
+    towers.vision, towers.text = nn.Linear(100, 100), nn.Linear(2, 2)
+    model = nn.Sequential(nn.ModuleDict({"towers": towers}))
+    assert sweep._largest_child(model) == ("0.towers.vision", 100 * 100 + 100)
+    even = nn.ModuleDict({"a": nn.Linear(10, 10), "b": nn.Linear(10, 10)})
+    assert sweep._largest_child(even) == ("", 220)  # no part holds 90 %: the module itself
+
+
+def test_the_floor_column_is_measured_where_exact_cells_reach_above_its_threshold():
+    sweep = _sweep()
+    row = {"fsdp2": "exact (2e-08)", "hsdp_tp": "refused, fix exact (5e-08)", "cp": "refused: ...",
+           "tp_pp": "skipped: ..."}
+    assert sweep.worst_exact(row) == 5e-08
+    assert sweep.worst_exact({"fsdp2": "MISMATCH (3e-05)", "cp": "exact (1e-14)"}) == 1e-14
+    meta = dict(transformers="x", torch=torch.__version__, steps=3, registered=2, seconds=1.0)
+    text = sweep.markdown({"biogpt": row, "llama": {"fsdp2": "exact (1e-14)"}}, meta, {"biogpt": 5.1e-08})
+    assert "| biogpt | exact (2e-08) | refused, fix exact (5e-08) | refused: ... | skipped: ... | 5e-08 |" in text
+    assert "| llama | exact (1e-14) | not run | not run | not run |  |" in text
