@@ -9,6 +9,11 @@ view, MFU in percent. Then it visits the custom-scalar, image and text dashboard
 each view goes to ``<tmp>/screenshots`` and, if ``MESHKIT_ARTIFACTS`` is set, to
 ``$MESHKIT_ARTIFACTS/tensorboard``. Without Chromium the test skips, except under ``CI=true``,
 where it fails (``.ci/run`` installs it).
+
+The PYTORCH_PROFILER tests open torch-tb-profiler's tab on the run's traces: its left pane as it is offline, then
+its Trace view drawing rank0's trace with the page's two external scripts answered through DevTools (Fetch) by
+test-only stand-ins: npm's copy of the web-components polyfill (``WEBCOMPONENTS_JS``; missing: skip, or fail under
+``CI=true``, as for Chromium) and a do-nothing shim for Google Charts' loader (``CHARTS_SHIM_JS``).
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ from typing import Any
 import pytest
 
 from meshkit.profiling import report as R
+from meshkit.profiling.trace import PHASE_MARKERS
 from tests.e2e.conftest import free_port, wait_for
+from tests.e2e.test_tensorboard import PROFILER_TAB_EXTERNAL_SCRIPTS
 
 pytestmark = pytest.mark.slow
 CHROMIUM = os.environ.get("MESHKIT_CHROMIUM", "/usr/bin/chromium")
 VIEWPORT = (1440, 900)  # a laptop's browser window
+# No network beyond 127.0.0.1: every other host name resolves to nothing and no proxy is used (a request that
+# DevTools.route answers never reaches the resolver).
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-extensions", f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}"]
+                  "--disable-extensions", f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}",
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--no-proxy-server"]
 
 # Text of the nodes inside the viewport, walking shadow roots and same-origin iframes (TensorBoard's
 # legacy dashboards are Polymer elements with shadow DOM). One string per node, with its top edge.
@@ -104,6 +114,32 @@ SCROLL_DOWN_JS = """
 })()
 """
 
+# The middle [x, y] of the first node inside the viewport whose text is the given one (same walk as above), or null.
+CENTER_OF_TEXT_JS = """
+(() => {
+  const want = %s, H = window.innerHeight, W = window.innerWidth;
+  const visit = (node, dx, dy) => {
+    if (node.nodeType === Node.TEXT_NODE) {
+      if (node.textContent.trim() !== want) return null;
+      const r = document.createRange(); r.selectNodeContents(node);
+      const b = r.getBoundingClientRect(), x = b.left + b.width / 2 + dx, y = b.top + b.height / 2 + dy;
+      return b.width > 0 && b.height > 0 && x > 0 && x < W && y > 0 && y < H ? [x, y] : null;
+    }
+    if (node.nodeType !== Node.ELEMENT_NODE && node.nodeType !== Node.DOCUMENT_FRAGMENT_NODE
+        && node.nodeType !== Node.DOCUMENT_NODE) return null;
+    const kids = [...(node.shadowRoot ? [[node.shadowRoot, dx, dy]] : [])];
+    if (node.tagName === 'IFRAME') {
+      try { const b = node.getBoundingClientRect(); kids.push([node.contentDocument, dx + b.left, dy + b.top]); }
+      catch (e) {}
+    }
+    for (const c of node.childNodes) kids.push([c, dx, dy]);
+    for (const [c, x, y] of kids) { const r = c && visit(c, x, y); if (r) return r; }
+    return null;
+  };
+  return visit(document, 0, 0);
+})()
+"""
+
 
 class DevTools:
     """A minimal DevTools-protocol client over one page target's websocket (``websocket-client``)."""
@@ -113,23 +149,63 @@ class DevTools:
 
         self.ws = websocket.create_connection(ws_url, timeout=timeout_s, suppress_origin=True)
         self.next_id = 0
+        self.routes: dict[str, tuple[str, bytes]] = {}
+        self.served: list[str] = []  # the routed URLs the page requested, in order
+        self._answers: set[int] = set()  # ids of the Fetch.fulfillRequest commands sent from inside call()
 
-    def call(self, method: str, **params: Any) -> dict[str, Any]:
-        """Send one command and return its result (events that arrive meanwhile are dropped)."""
+    def _send(self, method: str, params: dict[str, Any]) -> int:
         self.next_id += 1
         self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        return self.next_id
+
+    def call(self, method: str, **params: Any) -> dict[str, Any]:
+        """Send one command and return its result. Meanwhile a request paused by :meth:`route` is answered; other
+        events are dropped."""
+        own = self._send(method, params)
         while True:  # each recv is bounded by the socket timeout
             msg = json.loads(self.ws.recv())
-            if msg.get("id") == self.next_id:
+            if msg.get("method") == "Fetch.requestPaused":
+                self._answer(msg["params"])
+            elif msg.get("id") in self._answers:
+                self._answers.discard(msg["id"])
+                if "error" in msg:
+                    raise RuntimeError(f"DevTools Fetch.fulfillRequest: {msg['error']}")
+            elif msg.get("id") == own:
                 if "error" in msg:
                     raise RuntimeError(f"DevTools {method}: {msg['error']}")
                 return msg.get("result", {})
+
+    def route(self, routes: dict[str, tuple[str, bytes]]) -> None:
+        """Answer requests for these exact URLs with (content type, body) instead of the network, in every frame of
+        the page (DevTools' Fetch domain pauses them before name resolution)."""
+        self.routes.update(routes)
+        self.call("Fetch.enable", patterns=[{"urlPattern": url, "requestStage": "Request"} for url in self.routes])
+
+    def _answer(self, paused: dict[str, Any]) -> None:
+        url = paused["request"]["url"]
+        if url not in self.routes:  # a pattern matched more than the exact URL: leave it to the (blocked) network
+            self._answers.add(self._send("Fetch.continueRequest", {"requestId": paused["requestId"]}))
+            return
+        mime, body = self.routes[url]
+        self.served.append(url)
+        self._answers.add(self._send("Fetch.fulfillRequest", {
+            "requestId": paused["requestId"], "responseCode": 200,
+            "responseHeaders": [{"name": "Content-Type", "value": mime}],
+            "body": base64.b64encode(body).decode()}))
 
     def evaluate(self, expression: str) -> Any:
         result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in result:
             raise RuntimeError(f"DevTools evaluate: {result['exceptionDetails']}")
         return result["result"].get("value")
+
+    def click_text(self, text: str) -> None:
+        """Click (mouse down, up) the middle of the first node on screen whose text is ``text``, in any frame."""
+        at = self.evaluate(CENTER_OF_TEXT_JS % json.dumps(text))
+        if at is None:
+            raise AssertionError(f"no {text!r} on screen to click")
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=at[0], y=at[1], button="left", clickCount=1)
 
     def goto(self, url: str) -> None:
         self.call("Page.navigate", url="about:blank")  # a fragment-only change would not reload
@@ -310,3 +386,131 @@ def test_pytorch_profiler_tab_opens_on_the_run_offline(browser, tensorboard_port
     if out:
         os.makedirs(os.path.join(out, "tensorboard"), exist_ok=True)
         shutil.copy(shots / "6_pytorch_profiler.png", os.path.join(out, "tensorboard"))
+
+
+# The web-components polyfill the Trace view's iframe loads from cdnjs (BSD-3-Clause), as npm has it:
+# `npm install --prefix ~/.cache/meshkit/npm webcomponents.js@0.7.24` (.ci/run's `browser` step installs it there).
+WEBCOMPONENTS_JS = os.environ.get("MESHKIT_WEBCOMPONENTS_JS", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+    "meshkit", "npm", "node_modules", "webcomponents.js", "webcomponents.min.js"))
+
+# TEST-ONLY stand-in for Google Charts' loader (https://www.gstatic.com/charts/loader.js), which Google's terms do
+# not allow to be served from anywhere but gstatic. The plugin's page awaits google.charts.load before it draws any
+# pane; its Trace view draws nothing with Charts (catapult's trace viewer, vendored in the plugin, draws it), so
+# here `load` and `setOnLoadCallback` just run the callback, and every google.visualization call (the other panes'
+# charts and tables, e.g. the Overview's, drawn before the Trace view is picked) does nothing and returns an object
+# that does nothing either (without it the Overview's first `new google.visualization.DataTable` throws and React
+# unmounts the whole page).
+CHARTS_SHIM_JS = b"""
+(() => {
+  const inert = () => new Proxy(function () {}, {
+    get: (f, key) => key === "then" ? undefined
+      : key === Symbol.toPrimitive ? () => 0
+      : key === Symbol.iterator ? function* () {}
+      : inert(),
+    apply: () => inert(),
+    construct: () => inert(),
+  });
+  window.google = {
+    charts: {
+      load: (version, options) => Promise.resolve().then(() => options && options.callback && options.callback()),
+      setOnLoadCallback: (callback) => { Promise.resolve().then(callback); },
+    },
+    visualization: inert(),
+  };
+})();
+"""
+
+# What catapult's trace viewer (in the Trace view's iframe, inside the plugin's iframe) imported, or null before it
+# has a model: per thread, [process name, thread name, slice count, distinct slice titles].
+TRACE_VIEWER_MODEL_JS = """
+(() => {
+  const frames = (doc) => {
+    const out = [], visit = (n) => {
+      if (n.shadowRoot) visit(n.shadowRoot);
+      if (n.tagName === 'IFRAME') out.push(n);
+      for (const c of (n.children || [])) visit(c);
+    };
+    visit(doc);
+    return out;
+  };
+  const find = (doc) => {
+    for (const f of frames(doc)) {
+      try {
+        if ((f.getAttribute('src') || '').includes('trace_embedding.html')) return f.contentWindow;
+        const w = find(f.contentDocument); if (w) return w;
+      } catch (e) {}
+    }
+    return null;
+  };
+  const w = find(document), viewer = w && w.document.getElementById('trace-viewer');
+  if (!viewer || !viewer.model) return null;
+  return JSON.stringify(viewer.model.getAllThreads().map(t => [
+    t.parent.userFriendlyName, t.userFriendlyName, t.sliceGroup.slices.length,
+    [...new Set(t.sliceGroup.slices.map(s => s.title))]]));
+})()
+"""
+
+
+def _need_webcomponents() -> bytes:
+    if os.path.exists(WEBCOMPONENTS_JS):
+        with open(WEBCOMPONENTS_JS, "rb") as f:
+            return f.read()
+    why = (f"no web-components polyfill at {WEBCOMPONENTS_JS} (npm install --prefix ~/.cache/meshkit/npm "
+           "webcomponents.js@0.7.24; .ci/run does it on CI)")
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(why + ": the browser test must run on CI")
+    pytest.skip(why)
+
+
+def test_pytorch_profiler_trace_view_renders_the_run_offline(browser, tensorboard_port, tb_run, tmp_path):
+    """The PYTORCH_PROFILER tab's Trace view draws rank0's trace with nothing beyond 127.0.0.1 reachable, once its two
+    external scripts are stood in for: the web-components polyfill (cdnjs) by npm's copy of the same release, Google
+    Charts' loader (gstatic) by CHARTS_SHIM_JS (test-only; the Trace view draws nothing with Charts). Picked as a
+    user picks it (Views: Trace, Workers: rank0), catapult's viewer shows the trace's process and thread rows, and
+    it imported every slice of the file: the ProfilerStep#N spans and meshkit's phase markers among them."""
+    polyfill = _need_webcomponents()
+    (charts_url,) = PROFILER_TAB_EXTERNAL_SCRIPTS["index.html"]
+    (polyfill_url,) = PROFILER_TAB_EXTERNAL_SCRIPTS["trace_embedding.html"]
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    root, log_dir = tb_run
+    (trace_file,) = [f for f in os.listdir(os.path.join(log_dir, "profiler")) if f.startswith("rank0.")]
+    with open(os.path.join(log_dir, "profiler", trace_file), encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    meta = {(e["name"], e["pid"], e.get("tid")): e["args"] for e in events if e.get("ph") == "M"}
+    slices: dict[str, list[str]] = {}  # thread name -> the titles of its complete events, as the file has them
+    for e in events:
+        if e.get("ph") == "X":
+            thread = meta.get(("thread_name", e["pid"], e["tid"]), {}).get("name", str(e["tid"]))  # unnamed: its id
+            slices.setdefault(thread, []).append(e["name"])
+    steps = {n for names in slices.values() for n in names if n.startswith("ProfilerStep#")}
+    markers = {n for names in slices.values() for n in names if n in PHASE_MARKERS}
+    assert steps and markers, (steps, markers)  # meshkit's window wrote them (else this test checks nothing)
+    processes = {f"{a['name']} (pid {pid})" for (kind, pid, _), a in meta.items()
+                 if kind == "process_name"}  # catapult's row title: "python (pid 11625): CPU"
+
+    browser.route({charts_url: ("text/javascript", CHARTS_SHIM_JS), polyfill_url: ("text/javascript", polyfill)})
+    browser.goto(f"http://127.0.0.1:{tensorboard_port}/#pytorch_profiler")
+    run = os.path.relpath(os.path.join(log_dir, "profiler"), str(root))
+    wait_for(lambda: {run, "Views", "Overview", "Workers", "rank0"} <= _texts(browser), 120,
+             "the profiler tab's run, views and workers", every_s=0.5)
+    browser.click_text("Overview")  # the Views menu
+    wait_for(lambda: "Trace" in _texts(browser), 30, "the Views menu's Trace item", every_s=0.25)
+    browser.click_text("Trace")
+    model = wait_for(lambda: browser.evaluate(TRACE_VIEWER_MODEL_JS), 180, "the trace viewer's model", every_s=0.5)
+    threads = {thread: (n, set(titles)) for _, thread, n, titles in json.loads(model)}
+    # the rows on screen: every process and thread of the trace (DOM headings; the slices are drawn on a canvas)
+    wait_for(lambda: set(slices) <= _texts(browser), 60, "the trace's thread rows", every_s=0.5)
+    texts = _texts(browser)
+    assert all(any(t.startswith(p) for t in texts) for p in processes), (processes, sorted(texts))
+    assert {"Trace", "rank0"} <= texts  # the left pane shows the view and worker picked
+    # the viewer imported every complete event of the file, per thread, steps and meshkit's markers among them
+    assert {t: (len(names), set(names)) for t, names in slices.items()} == {t: threads.get(t) for t in slices}
+    time.sleep(2.0)  # the track canvas's last paint
+    browser.screenshot(str(shots / "7_pytorch_profiler_trace.png"))
+    assert browser.served == [charts_url, polyfill_url], browser.served  # the stand-ins were used, each once
+    out = os.environ.get("MESHKIT_ARTIFACTS")
+    if out:
+        os.makedirs(os.path.join(out, "tensorboard"), exist_ok=True)
+        shutil.copy(shots / "7_pytorch_profiler_trace.png", os.path.join(out, "tensorboard"))
