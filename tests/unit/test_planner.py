@@ -1047,6 +1047,22 @@ def test_published_layouts_rank_among_what_their_software_could_run():
     assert lay.vs_best == pytest.approx(lay.step_time_s / p.best.step_time_s)
 
 
+def test_a_published_layout_that_does_not_fit_is_not_near_the_best():
+    # MPT-1B on 64 H100 at micro-batch 20 without AC: the memory model puts it over the usable memory, so it ranks
+    # after every layout that fits and its vs_best (< 1) is against a best that checkpoints; it counts as a miss
+    from meshkit.planner import calibration as cal
+
+    rows, sources = cal.load_runs()
+    by = {r.name: r for r in rows}
+    row = by["llmfoundry-h100-mpt1b-2048-64gpu"]
+    lay = cal.rank_run(row, pl.CALIBRATION, sources[row.source]["software"])
+    assert not lay.feasible and lay.vs_best < 1 and not cal.near_best(lay)
+    row = by["llmfoundry-a100-mpt7b-2048-8gpu"]
+    lay = cal.rank_run(row, pl.CALIBRATION, sources[row.source]["software"])
+    assert lay.feasible and 1 <= lay.vs_best <= cal.VS_BEST_GOAL and cal.near_best(lay)
+    assert not cal.near_best(lay, limit=0.99 * lay.vs_best)
+
+
 def test_eager_attention_streams_its_counted_score_bytes():
     # flash=0: the QKᵀ and PV products at the matmuls' rate over the whole s×s (no causal skip), and the scores through
     # HBM, 13 B forward + 19 B backward per element (EAGER_SCORE_BYTES, counted: no fitted constant); a recomputed
