@@ -133,7 +133,9 @@ published-runs data file (52 runs, six sources, A100 and H100), from :data:`~mes
 table). ``achieved_fraction`` is the GEMM efficiency of a GPU without rows of its own (0.60, issue 15's value: no row
 fits it). ``comm_efficiency``, ``interleave_penalty`` and ``cp_exposed_share`` are START's, not fitted
 (:data:`~meshkit.planner.calibration.UNFITTED`: one source alone decides each). ``tp_overlap`` sits on its grid's edge
-(1.0): only Llama 3's rows leave it unstated, and they want all of the TP traffic hidden."""
+(1.0): only Llama 3's rows leave it unstated, and they want all of the TP traffic hidden. ``elementwise_bytes`` sits on
+its grid's edge too (40): with the grid widened to 80 the fit takes 42 and ``ridge_scale`` drops to its own lower edge
+(0.02), out of sample 4.14 RMS against 4.16, so the grid stays (docs/planner.md)."""
 
 
 @dataclass(frozen=True)
