@@ -31,7 +31,7 @@ from meshkit.planner.model import ModelSpec
 from meshkit.planner.search import parse_layout, plan
 
 __all__ = ["Run", "PUBLISHED_RUNS_FILE", "load_runs", "published_mfu", "predict", "rank_run", "CONSTANT_GRID", "UNFITTED", "START", "fit_constants", "refine_constants",
-           "leave_one_source_out"]
+           "leave_one_source_out", "VS_BEST_GOAL", "near_best"]
 
 
 # ------------------------------------------------------------------ issue 25: the published-runs data file
@@ -132,6 +132,18 @@ def rank_run(run: Run, constants: Calibration, software: dict[str, Any]) -> Any:
     ``activation_checkpointing``, ``flash_attention``, ``sequence_parallel``; ``why`` says what the software is).
     Returns the named :class:`~meshkit.planner.Layout`, with ``rank`` and ``vs_best``."""
     return plan(run.model, calibration=constants, **_plan_kwargs(run, software)).named
+
+
+VS_BEST_GOAL = 1.10
+"""Issue 25: a published layout should be predicted within this factor of the best step time its software could run."""
+
+
+def near_best(layout: Any, limit: float = VS_BEST_GOAL) -> bool:
+    """Whether a layout :func:`rank_run` ranked is within ``limit`` of the best its software could run: its
+    ``vs_best`` ≤ ``limit`` and it fits the planner's memory model. A published layout the planner thinks does not fit
+    is ranked after every one that does, against a best that fits; its ``vs_best`` may then be below 1 (MPT-1B on 64
+    H100 at micro-batch 20: 0.75), which says the memory model missed, not that the layout is near the best."""
+    return bool(layout.feasible and layout.vs_best is not None and layout.vs_best <= limit)
 
 
 CONSTANT_GRID: dict[str, tuple[float, ...]] = {

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # the search builds what this text describes; it imports this
 __all__ = ["LOSSES", "ERROR_BAND", "explain", "format_table", "header", "compare"]
 
 LOSSES: tuple[str, ...] = ("bubble", "tp", "pp", "cp", "dp", "recompute", "kernels")
-"""The overheads a layout's step time adds up, in the order of ``Layout.losses``."""
+"""The overheads a layout's step time adds up, in the order of ``Layout.losses``. "bubble" is the time pipeline
+stages idle: the schedule's bubble and the wait for the slowest stage (:func:`~meshkit.planner.stage_imbalance`)."""
 ERROR_BAND = 0.05
 """Predicted step times this close (relative) to the fastest are ties: the calibration's held-out rows miss
 their published MFU by up to a few points (docs/planner.md), so a smaller difference is not a prediction."""
@@ -189,7 +190,8 @@ def compare(named: Layout, best: Layout | None) -> str:
 
 def _loss_phrase(lay: Layout, key: str) -> str:
     if key == "bubble":
-        return f"pipeline bubble {lay.bubble_fraction:.0%} ({lay.schedule}, pp={lay.pp}, m={lay.microbatches})"
+        return (f"pipeline bubble {lay.bubble_fraction:.0%} and the wait for the slowest stage ({lay.schedule}, "
+                f"pp={lay.pp}, m={lay.microbatches})")
     if key == "tp":
         where = "inside a node" if lay.tp_intra_node else "ACROSS NODES"
         return f"TP collectives {where} (tp={lay.tp}, forward comm/compute {lay.tp_comm_ratio:.2f})"

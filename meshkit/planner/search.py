@@ -48,6 +48,7 @@ from meshkit.planner.costs import (
     pp_bytes_per_boundary,
     pp_comm_ratio,
     ring_time,
+    stage_imbalance,
     tp_bytes_per_layer,
     tp_collectives_per_layer,
     tp_comm_ratio,
@@ -263,6 +264,7 @@ class _Ctx:
     # derived once in __post_init__
     model_flops: float = 0.0
     _times: dict[tuple[int, int], "_Compute"] = field(default_factory=dict)
+    _imbalance: dict[tuple[int, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         mdl = self.model
@@ -275,6 +277,13 @@ class _Ctx:
         if key not in self._times:
             self._times[key] = _Compute.of(self, cp, tp)
         return self._times[key]
+
+    def imbalance(self, pp: int, split: str) -> float:
+        """:func:`stage_imbalance` of a ``pp``-stage pipeline split ``split`` (cached)."""
+        key = (pp, split)
+        if key not in self._imbalance:
+            self._imbalance[key] = stage_imbalance(self.model, self.seq, pp, split)
+        return self._imbalance[key]
 
     def link(self, inner: int, degree: int = 1) -> tuple[float, float]:
         """(bandwidth, latency) of an axis of ``degree`` whose groups span ``inner`` consecutive ranks (degree × inner
@@ -453,6 +462,7 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
     mdl, b = ctx.model, ctx.micro
     shard, s_local = d * c, ctx.seq // c
     layers_stage, stages = _stage_memory_parts(ctx, p, t, split)
+    imbalance = ctx.imbalance(p, split)
     params_gpu = max(params for _, _, params, _ in stages)  # the DP traffic of the stage with the most parameters
 
     # ---- communication that does not depend on the variant ----
@@ -532,7 +542,8 @@ def _split_variants(ctx: _Ctx, r: int, d: int, p: int, c: int, t: int, m: int, s
                                         for st, n, (blocks, _, _, lg) in zip(stage_states, inflight, stages)),
                                        key=sum)
                 memory = states + acts
-                bubble_time = compute * bubble / (1 - bubble)
+                # every stage waits for the slowest (stage_imbalance), then for the bubble
+                bubble_time = compute * (imbalance / (1 - bubble) - 1)
                 # ZeRO-3 prefetches forward all-gathers behind forward compute; the rest hides behind backward (2/3),
                 # all but a share that never hides (Calibration.dp_exposed_share); past what compute hides it is
                 # exposed, and the layout is then not dp_overlap_ok.
@@ -931,7 +942,7 @@ def _evaluate_named(ctx: _Ctx, fields: dict[str, Any], result: Plan) -> Layout:
                       ("dp_overlap", "dp_overlap")):
         if key in fields:
             overrides[attr] = fields[key]
-    sub = dataclasses.replace(ctx, _times={}, **overrides)
+    sub = dataclasses.replace(ctx, _times={}, _imbalance={}, **overrides)
     rule = _structural_rule(sub, r, d, p, c, t)
     if rule is not None:
         raise ValueError(f"plan: `layout={spelled!r}` cannot run: {rule}.")

@@ -96,6 +96,35 @@ def test_bubble_fractions():
         pl.bubble_fraction("x", 2, 4)
 
 
+def test_pipeline_stages_wait_for_the_one_with_the_output_layer():
+    # The last stage runs its blocks and the output layer (6·h·V FLOP a token): with L/p blocks everywhere the
+    # slowest stage does L/p·block + 6hV against the average (L·block + 6hV)/p, so the imbalance is
+    # 1 + (p − 1)·6hV/F with F the profiler's FLOPs per token; balanced moves a block off each end stage
+    from meshkit.profiling.flops import ModelShape, model_flops_per_token
+
+    m = LLAMA2_7B
+    layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096  # attention, SwiGLU, two norms
+    f = model_flops_per_token(ModelShape(n_params=32 * layer + 32000 * 4096 + 4096, n_layers=32, n_heads=32,
+                                         head_dim=128), 4096)
+    vocab = 6 * 32000 * 4096
+    assert pl.stage_imbalance(m, 4096, 1) == 1.0
+    assert pl.stage_imbalance(m, 4096, 8) == pytest.approx(1 + 7 * vocab / f)  # ~1.16
+    block = (f - vocab) / 32
+    # balanced on 8 stages: 34 slots, 5 a stage: 4 blocks + the output layer on the last, 5 blocks in the middle
+    assert pl.stage_imbalance(m, 4096, 8, "balanced") == pytest.approx(max(5 * block, 4 * block + vocab) * 8 / f)
+    # (here balanced is worse: 5 blocks in the middle; for Llama 3 405B on 16 stages, 7 + 0.65 or 8 against 8 + 0.65)
+    assert pl.stage_imbalance(m, 4096, 8, "balanced") > pl.stage_imbalance(m, 4096, 8)
+    assert pl.stage_imbalance(LLAMA3_405B, 8192, 16, "balanced") < pl.stage_imbalance(LLAMA3_405B, 8192, 16)
+    # in a plan the other stages idle for it: the bubble loss is compute·(imbalance/(1 − bubble) − 1)
+    kw = dict(seq_len=4096, global_batch=64, nodes=1, search=False, **H100)
+    lay = plan(m, layout="pp=8,schedule=1f1b,m=64,ac=none,split=even", **kw).named
+    bubble = pl.bubble_fraction("1f1b", 8, 64)
+    assert lay.losses_s["bubble"] == pytest.approx(lay.compute_s * ((1 + 7 * vocab / f) / (1 - bubble) - 1))
+    assert lay.losses_s["bubble"] > 1.5 * lay.compute_s * bubble / (1 - bubble)  # the bubble alone is less
+    flat = plan(m, layout="dp_shard=8,zero=3,m=8,ac=none", **kw).named
+    assert flat.losses_s["bubble"] == 0.0
+
+
 def test_ring_collective_bytes_and_time():
     assert pl.ring_allreduce_bytes(1000, 4) == pytest.approx(1500)  # 2·3/4·1000
     assert pl.ring_allreduce_bytes(1000, 1) == 0.0
@@ -399,10 +428,11 @@ def test_405b_on_16k_h100_with_every_option_open_gets_tp8_with_pipeline_across_n
     assert p.best is not None and p.best.tp == 8 and p.best.tp_intra_node
     # A pipeline across nodes is within the error band of the fastest layout (with op-level selective AC a pp = 1
     # ZeRO-3 tp = 8 layout ties with it; the tie rule then decides by headroom and cross-node axes). At 1.5× the
-    # ridge that pp = 1 layout fits without any recompute (no dropout masks in a Llama block) and leads by 6 %.
+    # ridge that pp = 1 layout fits without any recompute (no dropout masks in a Llama block) and leads by 6.5 %
+    # (6.0 % before the pipeline's stages waited for the one with the output layer: stage_imbalance, 0.5 % at pp 2).
     fastest = min(p.feasible, key=lambda lay: lay.step_time_s)
     best = min((lay for lay in p.feasible if lay.pp > 1), key=lambda lay: lay.step_time_s)
-    assert best.step_time_s <= fastest.step_time_s * (1 + (pl.ERROR_BAND if ridge != 450 else 0.065))
+    assert best.step_time_s <= fastest.step_time_s * (1 + (pl.ERROR_BAND if ridge != 450 else 0.07))
     assert best.tp == 8 and best.tp_intra_node
     assert best.pp * best.cp * best.tp > 8  # the pipeline axis spans nodes
     # What decides it: tp 8 keeps 8192/cp rows per GPU in each matmul; the best tp ≤ 4 layout needs more
@@ -1015,6 +1045,22 @@ def test_published_layouts_rank_among_what_their_software_could_run():
     assert {(x.tp, x.pp, x.cp) for x in p.layouts} == {(1, 1, 1)}
     assert all(x.zero_stage in (2, 3) or (x.zero_stage == 0 and x.dp_shard == 1) for x in p.layouts)  # 0: no sharding
     assert lay.vs_best == pytest.approx(lay.step_time_s / p.best.step_time_s)
+
+
+def test_a_published_layout_that_does_not_fit_is_not_near_the_best():
+    # MPT-1B on 64 H100 at micro-batch 20 without AC: the memory model puts it over the usable memory, so it ranks
+    # after every layout that fits and its vs_best (< 1) is against a best that checkpoints; it counts as a miss
+    from meshkit.planner import calibration as cal
+
+    rows, sources = cal.load_runs()
+    by = {r.name: r for r in rows}
+    row = by["llmfoundry-h100-mpt1b-2048-64gpu"]
+    lay = cal.rank_run(row, pl.CALIBRATION, sources[row.source]["software"])
+    assert not lay.feasible and lay.vs_best < 1 and not cal.near_best(lay)
+    row = by["llmfoundry-a100-mpt7b-2048-8gpu"]
+    lay = cal.rank_run(row, pl.CALIBRATION, sources[row.source]["software"])
+    assert lay.feasible and 1 <= lay.vs_best <= cal.VS_BEST_GOAL and cal.near_best(lay)
+    assert not cal.near_best(lay, limit=0.99 * lay.vs_best)
 
 
 def test_eager_attention_streams_its_counted_score_bytes():
