@@ -186,9 +186,11 @@ def infer_tp_plan(
             if isinstance(style, ColwiseParallel):
                 regions[_parent(name)] = model.get_submodule(_parent(name))
             continue
-        if isinstance(module, nn.Embedding) and _positional_arity(module) == 1:
+        if isinstance(module, nn.Embedding) and _positional_arity(module) == 1 and not any(module.children()):
             # RowwiseParallel takes the first input as the ids; an embedding whose forward takes others (OPT's
-            # learned positions: the attention mask first, the ids computed inside) stays whole (replicated).
+            # learned positions: the attention mask first, the ids computed inside) stays whole (replicated), and
+            # so does one holding modules of its own (Inkling's norm inside its embedding: the style would shard
+            # the norm's weight as rows, a raw KeyError, and the norm would see one rank's partial rows).
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif isinstance(module, nn.Linear) and leaf in LM_HEADS:
             plan[name] = ColwiseParallel(

@@ -306,3 +306,14 @@ def test_a_family_scaling_its_sharded_embedding_output_in_place_trains(tmp_path)
             torch.testing.assert_close(p.grad.full_tensor(), grads[n], rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_an_embedding_holding_modules_of_its_own_stays_whole():
+    # Inkling's embedding holds a norm (InklingNormedEmbedding.embed_norm): the embedding style sharded every
+    # parameter of the module as vocabulary rows (a raw "parameter name can't contain '.'" KeyError on 4 ranks,
+    # found by the family sweep), and the norm would have normalized one rank's partial rows. It stays whole.
+    module = H.build("auto:inkling_text")
+    plan = infer_tp_plan(module, user_plan={"model.model.layers.*.self_attn.*": "replicate"})
+    assert type(module.model.model.embed_tokens).__name__ == "InklingNormedEmbedding"
+    assert "model.model.embed_tokens" not in plan
+    assert "model.model.embed_tokens" in infer_tp_plan(H.build("llama"))  # a plain embedding is still sharded
