@@ -37,3 +37,13 @@ def test_the_floor_column_is_measured_where_exact_cells_reach_above_its_threshol
     text = sweep.markdown({"biogpt": row, "llama": {"fsdp2": "exact (1e-14)"}}, meta, {"biogpt": 5.1e-08})
     assert "| biogpt | exact (2e-08) | refused, fix exact (5e-08) | refused: ... | skipped: ... | 5e-08 |" in text
     assert "| llama | exact (1e-14) | not run | not run | not run |  |" in text
+
+
+def test_a_mismatch_is_read_against_the_family_s_own_floor():
+    sweep = _sweep()
+    row = {"fsdp2": "MISMATCH (3e+00)", "hsdp_tp": "refused, fix MISMATCH (9e-01)", "cp": "exact (1e-14)"}
+    assert sweep.against_floor(row, 1e-13) == row  # a floor at rounding: the mismatch stays a finding
+    judged = sweep.against_floor(row, 1.1)  # PhiMoE: a batch split in two changes its step by 1e0
+    assert judged == {"fsdp2": "batch-dependent (3e+00; one-process floor 1e+00)",
+                      "hsdp_tp": "batch-dependent (9e-01; one-process floor 1e+00)", "cp": "exact (1e-14)"}
+    assert sweep.summary({"phimoe": judged})["batch-dependent"] == 2
