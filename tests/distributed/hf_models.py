@@ -406,3 +406,15 @@ def update_errors(got: dict, init: dict, want: dict) -> dict[str, float]:
         n: float((got[n] - want[n]).abs().max() / (want[n] - init[n]).abs().max().clamp_min(NO_UPDATE))
         for n in want
     }
+
+
+def family_sweep() -> Any:
+    """benchmarks/family_sweep.py as a module (it is a script, not a package), for the tests that run its parts."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "family_sweep.py"
+    spec = importlib.util.spec_from_file_location("family_sweep", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

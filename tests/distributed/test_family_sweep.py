@@ -9,26 +9,16 @@ on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from tests.dist_pool import ProcessPool
+from tests.distributed import hf_models as H
 
 pytest.importorskip("transformers")
 
 
-def _sweep_module():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ci_subset_of_the_family_sweep(tmp_path):
-    sweep = _sweep_module()
+    sweep = H.family_sweep()
     with ProcessPool(world_size=4) as pool:
         table = sweep.sweep(["llama", "gpt2"], list(sweep.PRESETS), steps=2, pool=pool)
         camembert_cp = sweep.run_cell(pool, "auto:camembert", "cp", steps=2)

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 from torch import nn
 
-
-def _sweep():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "family_sweep.py"
-    spec = importlib.util.spec_from_file_location("family_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.distributed import hf_models as H
 
 
 def test_the_skip_names_the_part_that_holds_the_parameters():
-    sweep = _sweep()
+    sweep = H.family_sweep()
     towers = nn.Module()
     towers.vision, towers.text = nn.Linear(100, 100), nn.Linear(2, 2)
     model = nn.Sequential(nn.ModuleDict({"towers": towers}))
@@ -28,7 +19,7 @@ def test_the_skip_names_the_part_that_holds_the_parameters():
 
 
 def test_the_floor_column_is_measured_where_exact_cells_reach_above_its_threshold():
-    sweep = _sweep()
+    sweep = H.family_sweep()
     row = {"fsdp2": "exact (2e-08)", "hsdp_tp": "refused, fix exact (5e-08)", "cp": "refused: ...",
            "tp_pp": "skipped: ..."}
     assert sweep.worst_exact(row) == 5e-08
@@ -40,7 +31,7 @@ def test_the_floor_column_is_measured_where_exact_cells_reach_above_its_threshol
 
 
 def test_a_mismatch_is_read_against_the_family_s_own_floor():
-    sweep = _sweep()
+    sweep = H.family_sweep()
     row = {"fsdp2": "MISMATCH (3e+00)", "hsdp_tp": "refused, fix MISMATCH (9e-01)", "cp": "exact (1e-14)"}
     assert sweep.against_floor(row, 1e-13) == row  # a floor at rounding: the mismatch stays a finding
     judged = sweep.against_floor(row, 1.1)  # PhiMoE: a batch split in two changes its step by 1e0
